@@ -1,0 +1,37 @@
+# A newcomer's two commands, on a fresh machine:
+#   make demo   sets up .venv/ and runs the main job
+#   make test   sets up .venv/ and runs the whole test suite
+# Both are idempotent: the environment is built once and rebuilt only when setup.py or csrc/ change.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# setup.py imports torch to build the extension, so torch goes in first; keep in step with setup.py.
+TORCH := torch==2.14.1 torchvision==0.29.1
+
+.PHONY: setup demo test bench test-gpu
+
+setup: $(VENV)/.built
+
+$(VENV)/.deps: setup.py Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --upgrade pip setuptools wheel ninja
+	$(PY) -m pip install $(TORCH)
+	touch $@
+
+# -v shows the compiler lines (g++ for the CPU kernels, nvcc for the CUDA ones).
+$(VENV)/.built: $(VENV)/.deps $(wildcard csrc/*)
+	$(PY) -m pip install --no-build-isolation -v -e '.[test]'
+	touch $@
+
+demo: setup
+	$(VENV)/bin/megatron-dapo demo
+
+test: setup
+	$(PY) -m pytest tests -ra --timeout=900
+
+bench: setup
+	$(PY) bench/bench_dapo_loss.py
+
+# On a machine with a GPU: the CUDA tests and the CUDA section of the benchmark, in a few minutes.
+test-gpu: setup
+	bash tests/gpu/run.sh

@@ -1,0 +1,121 @@
+"""Fused DAPO loss: the C++/CUDA kernel (csrc/) as a torch.library op with a thin autograd wrapper.
+
+One kernel pass computes the token-level clipped-surrogate loss, its stats and d loss / d logp; the
+backward only scales that saved gradient by the upstream gradient, in place unless the graph is
+retained, and the kernel skips even that when the upstream gradient is 1 (loss.backward()). The readable definition is dapo_loss_reference.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_dapo.ops.dapo_loss_checks import STAT_NAMES, DapoLossStats, check_dapo_loss_args
+from megatron_dapo.ops.kl_penalty import kl_penalty
+
+try:
+    from megatron_dapo import _C  # noqa: F401  (importing registers torch.ops.megatron_dapo)
+
+    _EXTENSION_ERROR: str | None = None
+except ImportError as exc:
+    _EXTENSION_ERROR = (
+        f"megatron_dapo._C could not be imported ({exc}); build it with `pip install --no-build-isolation -e .` "
+        "from the repository root (the README's setup does this)"
+    )
+
+
+def extension_error() -> str | None:
+    """Why the compiled extension is unavailable, or None when it loaded."""
+    return _EXTENSION_ERROR
+
+
+if _EXTENSION_ERROR is None:
+
+    @torch.library.register_fake("megatron_dapo::dapo_loss_fwd")
+    def _dapo_loss_fwd_fake(logp, old_logp, advantages, mask, eps_low, eps_high, normalizer, dual_clip_c,
+                            log_ratio_clamp, compute_grad):
+        loss_dtype = torch.float64 if logp.dtype == torch.float64 else torch.float32
+        loss = logp.new_empty((), dtype=loss_dtype)
+        stats = logp.new_empty((len(STAT_NAMES),), dtype=torch.float64)
+        grad = torch.empty_like(logp) if compute_grad else logp.new_empty((0,))
+        return loss, stats, grad
+
+    @torch.library.register_fake("megatron_dapo::dapo_loss_scale_grad_")
+    def _dapo_loss_scale_grad_fake(grad, grad_output):
+        return None
+
+    def _may_scale_in_place(unit_grad: torch.Tensor) -> bool:
+        """True in an eager backward that frees the graph after this node runs.
+
+        Not when the graph is retained (retain_graph=True, gradcheck: another backward reads the buffer
+        again) nor while tracing (torch.compile, AOT: the compiler fuses the product itself).
+        """
+        if torch.compiler.is_compiling() or torch._subclasses.fake_tensor.is_fake(unit_grad):
+            return False
+        keep_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+        return keep_graph is not None and not keep_graph()
+
+    def _setup_context(ctx, inputs, output):
+        _, stats, unit_grad = output
+        ctx.compute_grad = inputs[-1]
+        ctx.mark_non_differentiable(stats, unit_grad)
+        ctx.set_materialize_grads(False)  # else autograd fills a zero gradient as large as unit_grad
+        ctx.save_for_backward(unit_grad)
+
+    def _backward(ctx, grad_loss, grad_stats, grad_unit):
+        if not ctx.compute_grad:
+            raise RuntimeError("dapo_loss_fwd ran with compute_grad=False; call megatron_dapo.ops.dapo_loss instead")
+        if grad_loss is None:  # the loss did not reach the graph's output
+            return (None,) * 10
+        (unit_grad,) = ctx.saved_tensors
+        if not _may_scale_in_place(unit_grad):
+            return (unit_grad * grad_loss.to(unit_grad.dtype),) + (None,) * 9
+        # The buffer is this node's to hand out: scale it in place, which the kernel skips when grad_loss
+        # is 1 (loss.backward()), so the whole backward moves no memory.
+        torch.ops.megatron_dapo.dapo_loss_scale_grad_(unit_grad, grad_loss)
+        return (unit_grad,) + (None,) * 9
+
+    torch.library.register_autograd("megatron_dapo::dapo_loss_fwd", _backward, setup_context=_setup_context)
+
+
+def dapo_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    eps_low: float,
+    eps_high: float,
+    normalizer,
+    dual_clip_c: float | None = None,
+    log_ratio_clamp: float = 20.0,
+    ref_logp: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    kl_type: str = "k3",
+) -> tuple[torch.Tensor, DapoLossStats]:
+    """Token-level DAPO loss of one packed micro-batch, and its stats.
+
+    Per token: r = exp(clamp(logp - old_logp, +-log_ratio_clamp)), loss -min(r*A, clip(r, 1-eps_low,
+    1+eps_high)*A), capped at -dual_clip_c*A for A < 0 when dual_clip_c is set. The result is the sum
+    over tokens with a non-zero mask (a float mask weights each token) divided by normalizer, the loss-
+    token count of the whole step (all micro-batches, all data-parallel ranks), so the gradient does
+    not depend on how the step is split. With kl_coef > 0, kl_coef * kl_penalty(logp, ref_logp) is
+    added (plain PyTorch, not fused).
+
+    logp (fp32/bf16/fp16/fp64, may require grad), old_logp (same dtype), advantages (fp32/fp64) and mask
+    (bool/fp32) are 1-D with one entry per token; computation is fp32 (fp64 for fp64 inputs).
+    """
+    normalizer = check_dapo_loss_args(
+        logp, old_logp, advantages, mask, eps_low=eps_low, eps_high=eps_high, normalizer=normalizer,
+        dual_clip_c=dual_clip_c, log_ratio_clamp=log_ratio_clamp, ref_logp=ref_logp, kl_coef=kl_coef,
+        kl_type=kl_type,
+    )
+    if _EXTENSION_ERROR is not None:
+        raise RuntimeError(_EXTENSION_ERROR)
+    compute_grad = torch.is_grad_enabled() and logp.requires_grad
+    loss, stats, _ = torch.ops.megatron_dapo.dapo_loss_fwd(
+        logp, old_logp, advantages, mask, float(eps_low), float(eps_high), normalizer,
+        None if dual_clip_c is None else float(dual_clip_c), float(log_ratio_clamp), compute_grad,
+    )
+    if kl_coef > 0.0:
+        loss = loss + kl_coef * kl_penalty(logp, ref_logp, mask, kl_type=kl_type, normalizer=normalizer)
+    return loss, DapoLossStats.from_vector(stats)

@@ -1,0 +1,105 @@
+"""Build megatron-dapo and its compiled extension megatron_dapo._C.
+
+The C++ CPU kernels are always built. The CUDA kernels are built too when a CUDA toolkit (nvcc) and a
+CUDA build of torch are both present, for TORCH_CUDA_ARCH_LIST (default: sm_80 and sm_90, A100 and
+H100/H200); nothing needs a GPU at build time. MEGATRON_DAPO_SKIP_CUDA=1 skips the CUDA kernels.
+"""
+
+import os
+import re
+import shutil
+import subprocess
+import sysconfig
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+ROOT = Path(__file__).parent
+
+
+def _toolkit_root():
+    """The CUDA toolkit folder: CUDA_HOME / CUDA_PATH, else what nvcc reports (it may be a wrapper script)."""
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        if os.environ.get(var):
+            return os.environ[var]
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        return None
+    dry = subprocess.run([nvcc, "--dryrun", "-c", "x.cu"], capture_output=True, text=True)
+    match = re.search(r"^#\$ TOP=(.+)$", dry.stdout + dry.stderr, re.MULTILINE)
+    return str(Path(match.group(1).strip()).resolve()) if match else str(Path(nvcc).resolve().parent.parent)
+
+
+def _want_cuda():
+    if os.environ.get("MEGATRON_DAPO_SKIP_CUDA", "0") == "1":
+        return False, "MEGATRON_DAPO_SKIP_CUDA=1"
+    import torch
+
+    if torch.version.cuda is None:
+        return False, "torch is a CPU-only build"
+    root = _toolkit_root()
+    if root is None or not (Path(root) / "bin" / "nvcc").exists():
+        return False, "no CUDA toolkit (nvcc) found"
+    os.environ["CUDA_HOME"] = root
+    return True, f"CUDA toolkit at {root}"
+
+
+def _extension():
+    with_cuda, why = _want_cuda()
+    # Imported after CUDA_HOME is settled: cpp_extension reads it at import time.
+    from torch.utils.cpp_extension import CppExtension, CUDAExtension
+
+    print(f"megatron-dapo: building the CUDA kernels: {with_cuda} ({why})")
+    # No FP-exception semantics needed: lets gcc turn the per-token selects into vector blends.
+    cxx = ["-O3", "-fopenmp-simd", "-fno-trapping-math"]
+    sources = ["csrc/bindings.cpp", "csrc/dapo_loss_cpu.cpp"]
+    if not with_cuda:
+        return CppExtension("megatron_dapo._C", sources, extra_compile_args={"cxx": cxx})
+    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
+    include_dirs = []
+    # pip's CUDA torch ships the math-library headers (cuBLAS, cuSPARSE) that torch's headers include.
+    wheel_include = Path(sysconfig.get_paths()["purelib"]) / "nvidia" / "cu13" / "include"
+    if wheel_include.is_dir():
+        include_dirs.append(str(wheel_include))
+    return CUDAExtension(
+        "megatron_dapo._C",
+        sources + ["csrc/dapo_loss_cuda.cu"],
+        include_dirs=include_dirs,
+        define_macros=[("MEGATRON_DAPO_WITH_CUDA", None)],
+        extra_compile_args={"cxx": cxx, "nvcc": ["-O3", "-lineinfo"]},
+    )
+
+
+def _cmdclass():
+    from torch.utils.cpp_extension import BuildExtension
+
+    return {"build_ext": BuildExtension}
+
+
+setup(
+    name="megatron-dapo",
+    version="0.1.0",
+    description="DAPO reinforcement learning for reasoning LLMs on Megatron-core, with SGLang rollouts",
+    long_description=(ROOT / "README.md").read_text(encoding="utf-8"),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10,<3.12",
+    packages=find_packages(include=["megatron_dapo", "megatron_dapo.*"]),
+    ext_modules=[_extension()],
+    cmdclass=_cmdclass(),
+    install_requires=[
+        # sglang 0.5.23 pins torch 2.14.1 and transformers 5.19.0: one environment holds all three.
+        "torch==2.14.1",
+        "megatron-core==0.16.1",
+        "pybind11>=2.12",
+        "math-verify[antlr4_13_2]>=0.8",
+        "numpy",
+        "psutil",
+        "pyyaml",
+        "transformers==5.19.0",
+    ],
+    extras_require={
+        "gpu": ["transformer-engine[pytorch]", "apex", "sglang[all]==0.5.23"],
+        "test": ["pytest>=8", "pytest-timeout"],
+    },
+    entry_points={"console_scripts": ["megatron-dapo=megatron_dapo.cli:main"]},
+)

@@ -1,0 +1,94 @@
+"""The CUDA kernels of the fused DAPO loss, against the CPU reference. Skipped where no GPU is present."""
+
+import pytest
+import torch
+from dapo_loss_cases import KW, away_from_clip_edges, make_batch, rel_err, run
+
+from megatron_dapo import _C
+from megatron_dapo.ops import STAT_NAMES, dapo_loss, dapo_loss_reference
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+
+
+def to_cuda(batch):
+    return tuple(t.cuda() for t in batch)
+
+
+def test_extension_was_built_with_cuda():
+    assert _C.with_cuda, "a GPU is present but megatron_dapo._C has no CUDA kernels: rebuild with nvcc on PATH"
+
+
+@pytest.mark.parametrize("n", [1, 7, 4096, 1_000_003])
+@pytest.mark.parametrize("dual_clip_c", [None, 3.0])
+@pytest.mark.parametrize("mask_dtype", [torch.bool, torch.float32])
+@pytest.mark.parametrize("adv_dtype", [torch.float32, torch.float64])
+def test_fp32_matches_reference(n, dual_clip_c, mask_dtype, adv_dtype):
+    batch = make_batch(n, n, mask_dtype=mask_dtype, adv_dtype=adv_dtype)
+    kw = dict(normalizer=max(1, n // 2), dual_clip_c=dual_clip_c)
+    loss_g, grad_g, stats_g = run(dapo_loss, *to_cuda(batch), **kw)
+    loss_r, grad_r, stats_r = run(dapo_loss_reference, *batch, **kw)
+    keep = away_from_clip_edges(batch[0], batch[1], dual_clip_c)
+    assert rel_err(loss_g.cpu(), loss_r) < 1e-6
+    assert rel_err(grad_g.cpu()[keep], grad_r[keep]) < 1e-6
+    for name, a, b in zip(STAT_NAMES, stats_g, stats_r):
+        tol = (~keep).sum().item() if name.startswith(("clipped", "dual")) else 1e-6 * max(1.0, abs(b.item()))
+        assert abs(a.item() - b.item()) <= tol, name
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_error_within_twice_the_reference(dtype):
+    logp, old_logp, adv, mask = make_batch(200_000, 3, dtype=dtype)
+    kw = dict(normalizer=200_000, dual_clip_c=3.0)
+    loss_64, grad_64, _ = run(dapo_loss_reference, logp.double(), old_logp.double(), adv, mask, **kw)
+    loss_g, grad_g, _ = run(dapo_loss, *to_cuda((logp, old_logp, adv, mask)), **kw)
+    loss_r, grad_r, _ = run(dapo_loss_reference, logp, old_logp, adv, mask, **kw)
+    keep = away_from_clip_edges(logp, old_logp, 3.0, margin=1e-3)
+    assert rel_err(loss_g.cpu(), loss_64) <= 2 * rel_err(loss_r, loss_64) + 1e-6
+    assert rel_err(grad_g.cpu()[keep], grad_64[keep]) <= 2 * rel_err(grad_r[keep], grad_64[keep]) + 1e-6
+
+
+def test_gradcheck_float64():
+    logp, old_logp, adv, mask = make_batch(256, 7, dtype=torch.float64, spread=0.5)
+    keep = away_from_clip_edges(logp, old_logp, 2.5, margin=1e-3)
+    logp, old_logp, adv, mask = to_cuda((logp[keep], old_logp[keep], adv[keep], mask[keep]))
+    x = logp.clone().requires_grad_()
+    fn = lambda t: dapo_loss(t, old_logp, adv, mask, normalizer=17, dual_clip_c=2.5, **KW)[0]  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (x,), eps=1e-6, atol=1e-8)
+
+
+def test_unaligned_slices_take_the_scalar_path():
+    batch = to_cuda(make_batch(10_001, 5))
+    sliced = tuple(t[1:] for t in batch)  # 4-byte offset: no 16-byte loads
+    loss_s, grad_s, _ = run(dapo_loss, *sliced, normalizer=5000)
+    loss_c, grad_c, _ = run(dapo_loss, *(t.contiguous().clone() for t in sliced), normalizer=5000)
+    assert loss_s.item() == loss_c.item()
+    torch.testing.assert_close(grad_s, grad_c, rtol=0, atol=0)
+
+
+def test_deterministic_and_scaled_backward():
+    batch = to_cuda(make_batch(2_000_000, 9))
+    first = run(dapo_loss, *batch, normalizer=10_000, dual_clip_c=3.0)
+    second = run(dapo_loss, *batch, normalizer=10_000, dual_clip_c=3.0)
+    assert first[0].item() == second[0].item() and torch.equal(first[1], second[1])
+    assert all(a.item() == b.item() for a, b in zip(first[2], second[2]))
+    x = batch[0].clone().requires_grad_()
+    loss, _ = dapo_loss(x, *batch[1:], normalizer=10_000, dual_clip_c=3.0, **KW)
+    (loss * -1.5).backward()
+    torch.testing.assert_close(x.grad, -1.5 * first[1])
+
+
+def test_torch_compile_inductor_on_cuda():
+    batch = to_cuda(make_batch(100_000, 4))
+
+    def step(x, old_logp, adv, mask):
+        loss, stats = dapo_loss(x, old_logp, adv, mask, normalizer=50_000, **KW)
+        return loss * 3.0, stats.clipped_high
+
+    compiled = torch.compile(step, fullgraph=True)
+    x_c, x_e = batch[0].clone().requires_grad_(), batch[0].clone().requires_grad_()
+    loss_c, _ = compiled(x_c, *batch[1:])
+    loss_e, _ = step(x_e, *batch[1:])
+    loss_c.backward()
+    loss_e.backward()
+    torch.testing.assert_close(loss_c, loss_e)
+    torch.testing.assert_close(x_c.grad, x_e.grad)
