@@ -1,0 +1,1 @@
+"""Checkpoint formats and the one mapping between Hugging Face and Megatron parameter layouts."""

@@ -1,0 +1,147 @@
+"""The one place that knows Hugging Face parameter names: HF <-> Megatron names and layouts.
+
+Megatron names here are *global*: `decoder.layers.{i}` counts layers over all pipeline stages. Per
+tensor-parallel rank, Megatron holds:
+- linear_qkv: q, k and v fused per query group ([q heads of the group, k, v] for each group), the
+  groups split across ranks;
+- linear_fc1: [gate shard; up shard] of the SwiGLU MLP, so each rank's fc1 holds both halves;
+- word embeddings and output layer: rows padded to the padded vocabulary, split by rows;
+- linear_proj, linear_fc2: split by input columns; norms replicated.
+Both the local and the Transformer Engine layer specs' names are understood.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+
+import torch
+
+from megatron_dapo.policy.hf_config import ModelSpec
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+
+# Megatron suffix inside a layer -> HF suffix inside `model.layers.{i}.` (one-to-one tensors).
+_LAYER_DIRECT = {
+    "input_layernorm.weight": "input_layernorm.weight",
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_weight": "post_attention_layernorm.weight",
+    "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
+    "mlp.linear_fc2.weight": "mlp.down_proj.weight",
+    "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
+    "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
+}
+# Tensor-parallel split dimension of each Megatron suffix (None: replicated).
+_LAYER_TP_DIM = {
+    "self_attention.linear_qkv.weight": 0,
+    "self_attention.linear_qkv.bias": 0,
+    "self_attention.linear_proj.weight": 1,
+    "mlp.linear_fc1.weight": 0,
+    "mlp.linear_fc2.weight": 1,
+}
+
+
+class MappingError(KeyError):
+    """A tensor name with no counterpart, or a shape that disagrees with the model's config."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+def hf_names(mname: str, spec: ModelSpec) -> list[str]:
+    """The HF tensors that make up the Megatron tensor `mname` (global layer numbering)."""
+    if mname == "embedding.word_embeddings.weight":
+        return ["model.embed_tokens.weight"]
+    if mname == "output_layer.weight":
+        return ["model.embed_tokens.weight" if spec.tie_word_embeddings else "lm_head.weight"]
+    if mname == "decoder.final_layernorm.weight":
+        return ["model.norm.weight"]
+    match = _LAYER.match(mname)
+    if match is None:
+        raise MappingError(f"no Hugging Face counterpart for Megatron tensor {mname!r}")
+    layer, suffix = int(match.group(1)), match.group(2)
+    prefix = f"model.layers.{layer}."
+    if suffix in _LAYER_DIRECT:
+        return [prefix + _LAYER_DIRECT[suffix]]
+    if suffix in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
+        kind = suffix.rsplit(".", 1)[1]
+        return [f"{prefix}self_attn.{p}_proj.{kind}" for p in "qkv"]
+    if suffix == "mlp.linear_fc1.weight":
+        return [prefix + "mlp.gate_proj.weight", prefix + "mlp.up_proj.weight"]
+    raise MappingError(f"no Hugging Face counterpart for Megatron tensor {mname!r}")
+
+
+def tp_dim(mname: str) -> int | None:
+    """The dimension Megatron splits `mname` along across tensor-parallel ranks, or None."""
+    if mname in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        return 0
+    match = _LAYER.match(mname)
+    return _LAYER_TP_DIM.get(match.group(2)) if match else None
+
+
+def _expected_shape(hf_name: str, spec: ModelSpec) -> tuple[int, ...]:
+    h, d = spec.hidden_size, spec.head_dim
+    q, kv = spec.num_attention_heads * d, spec.num_query_groups * d
+    table = {
+        "embed_tokens.weight": (spec.vocab_size, h), "lm_head.weight": (spec.vocab_size, h),
+        "norm.weight": (h,), "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
+        "q_proj.weight": (q, h), "k_proj.weight": (kv, h), "v_proj.weight": (kv, h),
+        "q_proj.bias": (q,), "k_proj.bias": (kv,), "v_proj.bias": (kv,), "o_proj.weight": (h, q),
+        "q_norm.weight": (d,), "k_norm.weight": (d,),
+        "gate_proj.weight": (spec.ffn_hidden_size, h), "up_proj.weight": (spec.ffn_hidden_size, h),
+        "down_proj.weight": (h, spec.ffn_hidden_size),
+    }
+    key = ".".join(hf_name.split(".")[-2:])
+    return table[key]
+
+
+def _fetch(get: Callable[[str], torch.Tensor], name: str, spec: ModelSpec) -> torch.Tensor:
+    tensor = get(name)
+    expected = _expected_shape(name, spec)
+    if tuple(tensor.shape) != expected:
+        raise MappingError(f"{name}: shape {tuple(tensor.shape)} disagrees with config.json, which implies {expected}")
+    return tensor
+
+
+def megatron_shard(mname: str, get: Callable[[str], torch.Tensor], spec: ModelSpec, *, tp_rank: int, tp_size: int,
+                   padded_vocab_size: int) -> torch.Tensor:
+    """This tensor-parallel rank's shard of Megatron tensor `mname`, built from HF tensors `get(name)`."""
+    names = hf_names(mname, spec)
+    parts = [_fetch(get, n, spec) for n in names]
+    dim = tp_dim(mname)
+    if mname in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        full = parts[0]
+        pad = padded_vocab_size - full.shape[0]
+        full = torch.cat([full, full.new_zeros(pad, full.shape[1])]) if pad else full
+    elif mname.endswith("linear_qkv.weight") or mname.endswith("linear_qkv.bias"):
+        g = spec.num_query_groups
+        q, k, v = (p.reshape(g, -1, *p.shape[1:]) for p in parts)
+        full = torch.cat([q, k, v], dim=1).reshape(-1, *parts[0].shape[1:])
+    elif mname.endswith("linear_fc1.weight"):
+        gate, up = (p.chunk(tp_size, dim=0)[tp_rank] for p in parts)
+        return torch.cat([gate, up], dim=0)
+    else:
+        full = parts[0]
+    if dim is None:
+        return full
+    return full.chunk(tp_size, dim=dim)[tp_rank]
+
+
+def hf_tensors(mname: str, shards: list[torch.Tensor], spec: ModelSpec) -> dict[str, torch.Tensor]:
+    """The HF tensors held by Megatron tensor `mname`, from its shards on every tensor-parallel rank."""
+    names = hf_names(mname, spec)
+    dim = tp_dim(mname)
+    if mname.endswith("linear_fc1.weight"):
+        halves = [s.chunk(2, dim=0) for s in shards]
+        return {names[0]: torch.cat([h[0] for h in halves]), names[1]: torch.cat([h[1] for h in halves])}
+    full = shards[0] if dim is None else torch.cat(shards, dim=dim)
+    if mname in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        return {names[0]: full[: spec.vocab_size]}
+    if mname.endswith("linear_qkv.weight") or mname.endswith("linear_qkv.bias"):
+        g, d = spec.num_query_groups, spec.head_dim
+        per_group = spec.num_attention_heads // g
+        grouped = full.reshape(g, per_group + 2, d, *full.shape[1:])
+        q, k, v = grouped.split([per_group, 1, 1], dim=1)
+        return {n: t.reshape(-1, *full.shape[1:]) for n, t in zip(names, (q, k, v))}
+    return {names[0]: full}

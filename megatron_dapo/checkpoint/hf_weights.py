@@ -1,0 +1,42 @@
+"""Copy Hugging Face tensors into a Megatron model stage, through the mapping in hf_mapping."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+
+import torch
+
+from megatron_dapo.checkpoint.hf_mapping import MappingError, megatron_shard
+from megatron_dapo.config import ParallelConfig
+from megatron_dapo.policy.hf_config import ModelSpec
+from megatron_dapo.policy.model import padded_vocab_size
+
+_LOCAL_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+
+
+def global_name(local_name: str, layer_offset: int) -> str:
+    """A stage's parameter name with its layer index counted over the whole pipeline."""
+    return _LOCAL_LAYER.sub(lambda m: f"decoder.layers.{int(m.group(1)) + layer_offset}.", local_name)
+
+
+def layer_offset(spec: ModelSpec, parallel: ParallelConfig, pp_rank: int) -> int:
+    return pp_rank * (spec.num_layers // parallel.pipeline_parallel)
+
+
+@torch.no_grad()
+def load_hf_weights(model: torch.nn.Module, get: Callable[[str], torch.Tensor], spec: ModelSpec,
+                    parallel: ParallelConfig) -> None:
+    """Fill every parameter of this rank's model stage from `get(hf_name)`."""
+    from megatron.core import parallel_state
+
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    offset = layer_offset(spec, parallel, parallel_state.get_pipeline_model_parallel_rank())
+    vocab = padded_vocab_size(spec.vocab_size, parallel.tensor_parallel)
+    for name, param in model.named_parameters():
+        mname = global_name(name, offset)
+        shard = megatron_shard(mname, get, spec, tp_rank=tp_rank, tp_size=parallel.tensor_parallel,
+                               padded_vocab_size=vocab)
+        if shard.shape != param.shape:
+            raise MappingError(f"{mname}: shard shape {tuple(shard.shape)} does not fit the model's {tuple(param.shape)}")
+        param.copy_(shard)

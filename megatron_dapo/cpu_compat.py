@@ -1,0 +1,172 @@
+"""Run megatron-core on the CPU (gloo) by redirecting its hard-coded CUDA calls.
+
+megatron-core assumes a GPU in many places: `torch.cuda.current_device()` as a device, the CUDA RNG
+tracker, `device="cuda"` factories, `Tensor.cuda()`, CUDA type names in the optimizer. This module,
+and only this module, maps those onto the CPU. It is switched on by the runtime for `device: cpu`
+alone, so GPU runs see stock torch and megatron-core.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_CUDA_TYPE_NAMES = {
+    torch.float32: "torch.cuda.FloatTensor",
+    torch.float16: "torch.cuda.HalfTensor",
+    torch.bfloat16: "torch.cuda.BFloat16Tensor",
+    torch.float64: "torch.cuda.DoubleTensor",
+    torch.int64: "torch.cuda.LongTensor",
+    torch.int32: "torch.cuda.IntTensor",
+    torch.uint8: "torch.cuda.ByteTensor",
+    torch.bool: "torch.cuda.BoolTensor",
+}
+
+
+def _is_cuda_device(device) -> bool:
+    if isinstance(device, int) and not isinstance(device, bool):
+        return True  # torch reads a bare int as a CUDA ordinal
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return isinstance(device, torch.device) and device.type == "cuda"
+
+
+class _CpuDeviceMode(TorchFunctionMode):
+    """Sends tensor factories and moves aimed at CUDA to the CPU, and reports CUDA type names."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            # The optimizer checks `param.type() == "torch.cuda.FloatTensor"`.
+            return _CUDA_TYPE_NAMES.get(args[0].dtype, args[0].type())
+        if func in (torch.Tensor.cuda, torch.Tensor.pin_memory):
+            return args[0]
+        if "device" in kwargs and _is_cuda_device(kwargs["device"]):
+            kwargs["device"] = "cpu"
+        if kwargs.get("pin_memory"):
+            kwargs["pin_memory"] = False
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
+            args = (args[0], "cpu", *args[2:])
+        return func(*args, **kwargs)
+
+
+class _HostEvent:
+    """torch.cuda.Event for the CPU: timing from the host clock."""
+
+    def __init__(self, enable_timing: bool = False, **_):
+        self._t = None
+
+    def record(self, stream=None):
+        self._t = time.perf_counter()
+
+    def synchronize(self):
+        pass
+
+    def wait(self, stream=None):
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, end: _HostEvent) -> float:
+        return (end._t - self._t) * 1e3
+
+
+class _HostStream:
+    """torch.cuda.Stream for the CPU: everything is already in order."""
+
+    def __init__(self, *_, **__):
+        pass
+
+    def wait_stream(self, stream):
+        pass
+
+    def wait_event(self, event):
+        pass
+
+    def record_event(self, event=None):
+        event = event or _HostEvent()
+        event.record()
+        return event
+
+    def synchronize(self):
+        pass
+
+
+_HOST_STREAM = _HostStream()
+
+
+class CpuCompat:
+    """Installs the redirects on enter and restores everything on exit."""
+
+    def __init__(self):
+        self._saved: list[tuple[object, str, object]] = []
+        self._mode: _CpuDeviceMode | None = None
+
+    def _patch(self, owner, name: str, value) -> None:
+        self._saved.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, value)
+
+    def __enter__(self) -> CpuCompat:
+        import megatron.core.tensor_parallel.random as mp_random
+
+        cuda = torch.cuda
+        self._patch(cuda, "current_device", lambda: torch.device("cpu"))
+        self._patch(cuda, "synchronize", lambda device=None: None)
+        self._patch(cuda, "empty_cache", lambda: None)
+        self._patch(cuda, "get_rng_state", lambda device="cuda": torch.get_rng_state())
+        self._patch(cuda, "set_rng_state", lambda state, device="cuda": torch.set_rng_state(state))
+        # Must really seed: the tracker derives a distinct model-parallel state per TP rank from it.
+        self._patch(cuda, "manual_seed", lambda seed: torch.manual_seed(seed))
+        self._patch(cuda, "Event", _HostEvent)
+        self._patch(cuda, "Stream", _HostStream)
+        self._patch(cuda, "current_stream", lambda device=None: _HOST_STREAM)
+        self._patch(cuda, "default_stream", lambda device=None: _HOST_STREAM)
+        self._patch(cuda, "stream", lambda stream=None: contextlib.nullcontext())
+        self._patch(cuda.nvtx, "range_push", lambda msg: None)
+        self._patch(cuda.nvtx, "range_pop", lambda: None)
+        self._patch(cuda.nvtx, "mark", lambda msg: None)
+        self._patch(mp_random, "_get_cuda_rng_state",
+                    lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state())
+        self._patch(mp_random, "_set_cuda_rng_state",
+                    lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state))
+        # Every fork of the tracker moves the CPU generator, which it then warns about.
+        tracker_log = logging.getLogger(mp_random.__name__)
+        self._saved.append((tracker_log, "disabled", tracker_log.disabled))
+        tracker_log.disabled = True
+        self._mode = _CpuDeviceMode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._mode is not None:
+            self._mode.__exit__(*exc)
+            self._mode = None
+        while self._saved:
+            owner, name, value = self._saved.pop()
+            setattr(owner, name, value)
+
+
+_ACTIVE: CpuCompat | None = None
+
+
+def activate() -> None:
+    """Switch the redirects on for the rest of the process (idempotent)."""
+    global _ACTIVE
+    if _ACTIVE is None:
+        _ACTIVE = CpuCompat().__enter__()
+
+
+def deactivate() -> None:
+    global _ACTIVE
+    if _ACTIVE is not None:
+        _ACTIVE.__exit__(None, None, None)
+        _ACTIVE = None
+
+
+def is_active() -> bool:
+    return _ACTIVE is not None

@@ -1,0 +1,108 @@
+"""Build megatron-core's GPTModel for one pipeline stage from a ModelSpec."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from megatron_dapo.config import ConfigError, ParallelConfig
+from megatron_dapo.policy.hf_config import ModelSpec
+
+VOCAB_DIVISIBLE_BY = 128  # Megatron's default padding unit, times the TP size
+
+
+def padded_vocab_size(vocab_size: int, tensor_parallel: int) -> int:
+    unit = VOCAB_DIVISIBLE_BY * tensor_parallel
+    return -(-vocab_size // unit) * unit
+
+
+def check_divisibility(spec: ModelSpec, parallel: ParallelConfig) -> None:
+    tp, pp = parallel.tensor_parallel, parallel.pipeline_parallel
+    checks = [
+        ("num_attention_heads", spec.num_attention_heads, tp, "parallel.tensor_parallel"),
+        ("num_key_value_heads", spec.num_query_groups, tp, "parallel.tensor_parallel"),
+        ("intermediate_size", spec.ffn_hidden_size, tp, "parallel.tensor_parallel"),
+        ("num_hidden_layers", spec.num_layers, pp, "parallel.pipeline_parallel"),
+    ]
+    for key, value, size, size_key in checks:
+        if value % size:
+            raise ConfigError(f"{key}: {value} is not divisible by {size_key} = {size}; choose a size that divides it")
+
+
+def use_transformer_engine(parallel: ParallelConfig) -> bool:
+    if parallel.device != "cuda":
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def transformer_config(spec: ModelSpec, parallel: ParallelConfig):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    check_divisibility(spec, parallel)
+    on_gpu = parallel.device == "cuda"
+    dtype = torch.bfloat16 if on_gpu else torch.float32
+    return TransformerConfig(
+        num_layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        ffn_hidden_size=spec.ffn_hidden_size,
+        num_attention_heads=spec.num_attention_heads,
+        num_query_groups=spec.num_query_groups,
+        kv_channels=spec.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=spec.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=spec.qkv_bias,
+        qk_layernorm=spec.qk_layernorm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=parallel.tensor_parallel,
+        pipeline_model_parallel_size=parallel.pipeline_parallel,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=on_gpu,
+        use_cpu_initialization=not on_gpu,
+        # Fusions that need apex / TE kernels stay off; TE's own layers fuse on GPU.
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        attention_softmax_in_fp32=True,
+        # Micro-batches of different lengths through the pipeline schedules.
+        variable_seq_lengths=True,
+        moe_token_dispatcher_type="alltoall",
+    )
+
+
+def build_model(spec: ModelSpec, parallel: ParallelConfig, *, pre_process: bool, post_process: bool):
+    """GPTModel for this pipeline stage; logits stay split over the vocabulary (parallel_output)."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
+
+    config = transformer_config(spec, parallel)
+    if use_transformer_engine(parallel):
+        layer_spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_layernorm)
+    else:
+        layer_spec = get_gpt_layer_local_spec(qk_layernorm=spec.qk_layernorm, normalization="RMSNorm")
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec,
+        vocab_size=padded_vocab_size(spec.vocab_size, parallel.tensor_parallel),
+        max_sequence_length=spec.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        parallel_output=True,
+        share_embeddings_and_output_weights=spec.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_base=int(spec.rope_theta),
+    )

@@ -1,0 +1,51 @@
+"""Tiny random-weight Hugging Face models and batches, identical on every rank that builds them."""
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+VOCAB = 300  # not a multiple of 128: the padded vocabulary has columns to leave out
+
+TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=VOCAB, max_position_embeddings=96, rms_norm_eps=1e-5)
+
+
+def hf_model(kind: str, seed: int = 0):
+    torch.manual_seed(seed)
+    if kind == "qwen2":
+        cfg = Qwen2Config(**TINY, tie_word_embeddings=False, architectures=["Qwen2ForCausalLM"])
+        model = Qwen2ForCausalLM(cfg)
+    elif kind == "qwen2_tied":
+        cfg = Qwen2Config(**TINY, tie_word_embeddings=True, architectures=["Qwen2ForCausalLM"])
+        model = Qwen2ForCausalLM(cfg)
+    elif kind == "llama":
+        cfg = LlamaConfig(**TINY, rope_theta=50000.0, architectures=["LlamaForCausalLM"])
+        model = LlamaForCausalLM(cfg)
+    else:
+        raise ValueError(kind)
+    model = model.float().eval()
+    with torch.no_grad():  # biases are zero at init: make them matter
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    return model, cfg.to_dict()
+
+
+def sequences(seed: int = 1, lengths=((5, 20), (3, 41), (9, 4), (2, 60), (7, 13))):
+    """(prompt_len, response_len) pairs of very different lengths."""
+    from megatron_dapo.policy.batch import Sequence
+
+    g = torch.Generator().manual_seed(seed)
+    return [Sequence(torch.randint(0, VOCAB, (p + r,), generator=g), p) for p, r in lengths]
+
+
+@torch.no_grad()
+def hf_response_logprobs(model, seqs):
+    out = []
+    for s in seqs:
+        logits = model(s.tokens[None]).logits[0].double()
+        logp_all = torch.log_softmax(logits, dim=-1)
+        pos = torch.arange(s.prompt_len - 1, s.tokens.numel() - 1)
+        logp = logp_all[pos].gather(1, s.tokens[s.prompt_len:, None]).squeeze(1)
+        entropy = -(logp_all[pos].exp() * logp_all[pos]).sum(-1)
+        out.append((logp, entropy))
+    return out

@@ -1,0 +1,190 @@
+"""Single-process pieces of the policy: config reading, the HF mapping, log-probs, micro-batching."""
+
+import pytest
+import torch
+
+from megatron_dapo.checkpoint.hf_mapping import MappingError, hf_names, hf_tensors, megatron_shard
+from megatron_dapo.config import ConfigError, ParallelConfig
+from megatron_dapo.policy import logprobs as logprobs_module
+from megatron_dapo.policy.batch import Sequence, check_sequences, micro_batches, plan_micro_batches
+from megatron_dapo.policy.hf_config import model_spec_from_hf
+from megatron_dapo.policy.logprobs import vocab_parallel_logprobs
+from megatron_dapo.policy.model import check_divisibility, padded_vocab_size
+
+QWEN2 = dict(architectures=["Qwen2ForCausalLM"], hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+             num_attention_heads=4, num_key_value_heads=2, vocab_size=300, max_position_embeddings=96,
+             rms_norm_eps=1e-6, rope_parameters={"rope_theta": 1e6, "rope_type": "default"})
+
+
+def test_spec_from_qwen2_and_llama_configs():
+    spec = model_spec_from_hf(QWEN2)
+    assert (spec.num_query_groups, spec.head_dim, spec.rope_theta, spec.qkv_bias) == (2, 16, 1e6, True)
+    llama = model_spec_from_hf({**QWEN2, "architectures": ["LlamaForCausalLM"], "rope_theta": 5e5,
+                                "rope_parameters": None, "tie_word_embeddings": True})
+    assert (llama.qkv_bias, llama.rope_theta, llama.tie_word_embeddings) == (False, 5e5, True)
+    qwen3 = model_spec_from_hf({**QWEN2, "architectures": ["Qwen3ForCausalLM"], "head_dim": 32})
+    assert qwen3.qk_layernorm and qwen3.head_dim == 32
+
+
+@pytest.mark.parametrize("override,message", [
+    (dict(architectures=["GPT2LMHeadModel"]), "architectures: .*not supported"),
+    (dict(architectures=None), "architectures"),
+    (dict(hidden_act="gelu"), "hidden_act"),
+    (dict(num_key_value_heads=3), "num_key_value_heads: 3 does not divide"),
+    (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4}), "rope_scaling"),
+    (dict(use_sliding_window=True), "use_sliding_window"),
+])
+def test_bad_hf_config_names_the_key(override, message):
+    with pytest.raises(ConfigError, match=message):
+        model_spec_from_hf({**QWEN2, **override})
+
+
+def test_missing_config_key():
+    cfg = dict(QWEN2)
+    del cfg["rms_norm_eps"]
+    with pytest.raises(ConfigError, match="rms_norm_eps: missing from config.json"):
+        model_spec_from_hf(cfg)
+
+
+def test_config_path_that_does_not_exist(tmp_path):
+    with pytest.raises(ConfigError, match="no config.json"):
+        model_spec_from_hf(tmp_path)
+
+
+@pytest.mark.parametrize("tp,pp,key", [(8, 1, "num_attention_heads"), (1, 3, "num_hidden_layers")])
+def test_sizes_that_do_not_divide_are_refused(tp, pp, key):
+    with pytest.raises(ConfigError, match=f"{key}: .* not divisible by parallel"):
+        check_divisibility(model_spec_from_hf(QWEN2), ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp))
+
+
+def test_query_groups_must_divide_by_tp():
+    spec = model_spec_from_hf({**QWEN2, "num_attention_heads": 8, "hidden_size": 128, "num_key_value_heads": 2})
+    with pytest.raises(ConfigError, match="num_key_value_heads: 2 is not divisible by parallel.tensor_parallel = 4"):
+        check_divisibility(spec, ParallelConfig(tensor_parallel=4))
+
+
+@pytest.mark.parametrize("kw,message", [
+    (dict(tensor_parallel=0), "parallel.tensor_parallel"),
+    (dict(device="tpu"), "parallel.device"),
+    (dict(context_parallel=2), "parallel.context_parallel"),
+])
+def test_bad_parallel_config(kw, message):
+    with pytest.raises(ConfigError, match=message):
+        ParallelConfig(**kw)
+
+
+def test_world_size_must_divide():
+    with pytest.raises(ConfigError, match="world size 6 is not divisible"):
+        ParallelConfig(tensor_parallel=4).data_parallel(6)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("tied", [False, True])
+def test_mapping_round_trip_is_exact(tp, tied):
+    spec = model_spec_from_hf({**QWEN2, "tie_word_embeddings": tied})
+    g = torch.Generator().manual_seed(0)
+    hf = {}
+    names = ["embedding.word_embeddings.weight", "decoder.final_layernorm.weight"]
+    if not tied:
+        names.append("output_layer.weight")
+    for layer in range(spec.num_layers):
+        names += [f"decoder.layers.{layer}.{s}" for s in (
+            "input_layernorm.weight", "self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias",
+            "self_attention.linear_proj.weight", "pre_mlp_layernorm.weight", "mlp.linear_fc1.weight",
+            "mlp.linear_fc2.weight")]
+    from megatron_dapo.checkpoint.hf_mapping import _expected_shape
+
+    for mname in names:
+        for n in hf_names(mname, spec):
+            hf.setdefault(n, torch.randn(_expected_shape(n, spec), generator=g))
+    vocab = padded_vocab_size(spec.vocab_size, tp)
+    back = {}
+    for mname in names:
+        shards = [megatron_shard(mname, hf.__getitem__, spec, tp_rank=r, tp_size=tp, padded_vocab_size=vocab)
+                  for r in range(tp)]
+        back.update(hf_tensors(mname, shards, spec))
+    assert back.keys() == hf.keys()
+    assert all(torch.equal(back[k], hf[k]) for k in hf)
+
+
+def test_qkv_layout_groups_heads():
+    spec = model_spec_from_hf(QWEN2)  # 4 heads, 2 groups, head_dim 16
+    d = spec.head_dim
+    q = torch.arange(4 * d, dtype=torch.float32)[:, None].expand(-1, 64)
+    k = 1000 + torch.arange(2 * d, dtype=torch.float32)[:, None].expand(-1, 64)
+    v = 2000 + torch.arange(2 * d, dtype=torch.float32)[:, None].expand(-1, 64)
+    hf = {"model.layers.0.self_attn.q_proj.weight": q, "model.layers.0.self_attn.k_proj.weight": k,
+          "model.layers.0.self_attn.v_proj.weight": v}
+    rank1 = megatron_shard("decoder.layers.0.self_attention.linear_qkv.weight", hf.__getitem__, spec, tp_rank=1,
+                           tp_size=2, padded_vocab_size=384)[:, 0]
+    # Rank 1 holds query group 1: its two q heads, then its k head, then its v head.
+    expected = torch.cat([q[2 * d:4 * d, 0], k[d:2 * d, 0], v[d:2 * d, 0]])
+    assert torch.equal(rank1, expected)
+
+
+def test_mapping_errors():
+    spec = model_spec_from_hf(QWEN2)
+    with pytest.raises(MappingError, match="no Hugging Face counterpart"):
+        hf_names("decoder.layers.0.mystery.weight", spec)
+    bad = {"model.norm.weight": torch.zeros(65)}
+    with pytest.raises(MappingError, match=r"model.norm.weight: shape \(65,\) disagrees with config.json"):
+        megatron_shard("decoder.final_layernorm.weight", bad.__getitem__, spec, tp_rank=0, tp_size=1,
+                       padded_vocab_size=384)
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_logprobs_match_full_softmax_with_padding_and_chunks(monkeypatch, inplace):
+    monkeypatch.setattr(logprobs_module, "CHUNK_ELEMENTS", 7 * 384)  # several chunks
+    g = torch.Generator().manual_seed(0)
+    vocab, padded = 300, 384
+    logits = (3 * torch.randn(40, padded, generator=g, dtype=torch.float64))
+    logits[:, vocab:] = 1e4  # padding columns must be ignored whatever they hold
+    targets = torch.randint(0, vocab, (40,), generator=g)
+    w = torch.randn(40, generator=g, dtype=torch.float64)
+    ref = logits[:, :vocab].clone().requires_grad_()
+    ref_logp_all = torch.log_softmax(ref, -1)
+    ref_logp = ref_logp_all.gather(1, targets[:, None]).squeeze(1)
+    ref_ent = -(ref_logp_all.exp() * ref_logp_all).sum(-1)
+    (ref_logp * w).sum().backward()
+    x = logits.clone().requires_grad_()
+    work = x * 1.0  # a non-leaf the in-place backward may overwrite
+    logp, ent = vocab_parallel_logprobs(work, targets, vocab_start=0, vocab_size=vocab, inplace_backward=inplace)
+    (logp * w).sum().backward()
+    torch.testing.assert_close(logp, ref_logp.float().double().to(logp.dtype), rtol=0, atol=1e-6)
+    torch.testing.assert_close(ent, ref_ent.detach().to(ent.dtype), rtol=0, atol=1e-5)
+    assert not ent.requires_grad
+    torch.testing.assert_close(x.grad[:, :vocab], ref.grad, rtol=1e-5, atol=1e-6)
+    assert torch.all(x.grad[:, vocab:] == 0)
+
+
+def test_logprobs_bad_shapes():
+    with pytest.raises(ValueError, match="logits must be"):
+        vocab_parallel_logprobs(torch.zeros(3, 4, 5), torch.zeros(3, dtype=torch.long), vocab_start=0, vocab_size=5)
+
+
+def test_micro_batches_respect_the_budget_and_keep_every_token():
+    g = torch.Generator().manual_seed(0)
+    lens = [(3, 10), (2, 50), (5, 5), (1, 30), (4, 4), (2, 61)]
+    seqs = [Sequence(torch.randint(0, 50, (p + r,), generator=g), p) for p, r in lens]
+    mbs = micro_batches(seqs, max_tokens=130)
+    assert sorted(i for mb in mbs for i in mb.sample_index) == list(range(6))
+    for mb in mbs:
+        assert mb.input_ids.numel() <= 130
+        flat_ids = mb.input_ids.reshape(-1)
+        # each response token is the target at its position, and the next input token
+        for row, (i, n) in enumerate(zip(mb.sample_index, mb.response_lens)):
+            assert n == seqs[i].response_len
+        assert torch.equal(mb.targets[mb.response_positions], flat_ids[mb.response_positions + 1])
+    assert plan_micro_batches([10, 10, 10], 30) == [[0, 1, 2]]
+    with pytest.raises(ValueError, match="more than max_tokens_per_micro_batch"):
+        plan_micro_batches([10, 40], 30)
+
+
+@pytest.mark.parametrize("seq,message", [
+    (Sequence(torch.zeros(200, dtype=torch.long), 5), "exceed the model's max_position_embeddings 96"),
+    (Sequence(torch.zeros(10, dtype=torch.long), 10), "prompt_len 10 must be in"),
+    (Sequence(torch.zeros(10, dtype=torch.int32), 2), "1-D int64"),
+])
+def test_bad_sequences(seq, message):
+    with pytest.raises(ValueError, match=message):
+        check_sequences([seq], max_positions=96)
