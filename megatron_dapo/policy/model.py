@@ -75,6 +75,9 @@ def transformer_config(spec: ModelSpec, parallel: ParallelConfig):
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
         attention_softmax_in_fp32=True,
+        # Token-level loss: each micro-batch returns its summed loss and token count, and
+        # finalize_model_grads divides the summed gradients by the count over the whole step.
+        calculate_per_token_loss=True,
         # Micro-batches of different lengths through the pipeline schedules.
         variable_seq_lengths=True,
         moe_token_dispatcher_type="alltoall",

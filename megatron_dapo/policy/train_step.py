@@ -1,0 +1,191 @@
+"""One optimizer step of the policy on a batch of rollout samples with the fused DAPO loss.
+
+The model stage is wrapped in megatron-core's DistributedDataParallel and optimizer (AdamW, the
+distributed optimizer by default, gradient clipping), with a linear-warmup-then-constant learning
+rate. Normalisation is token-level over the whole step: every micro-batch contributes its summed
+loss and its token count, and megatron-core's per-token loss mode divides the gradients summed over
+micro-batches and data-parallel ranks by the total count. So the gradient does not depend on how
+the step is split.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+from megatron_dapo.config import ConfigError, ParallelConfig
+from megatron_dapo.ops import STAT_NAMES, dapo_loss
+from megatron_dapo.policy.batch import MicroBatch, Sequence, check_sequences, micro_batches
+from megatron_dapo.policy.forward import is_last_stage, micro_batch_logprobs, model_forward
+from megatron_dapo.policy.hf_config import ModelSpec
+from megatron_dapo.policy.model import build_model
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: float = 1e-6
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    distributed_optimizer: bool = True
+
+    def __post_init__(self):
+        if not self.lr > 0:
+            raise ConfigError(f"optim.lr: must be > 0, got {self.lr}")
+        if self.warmup_steps < 0:
+            raise ConfigError(f"optim.warmup_steps: must be >= 0, got {self.warmup_steps}")
+        if self.clip_grad < 0:
+            raise ConfigError(f"optim.clip_grad: must be >= 0 (0 turns clipping off), got {self.clip_grad}")
+
+    def lr_at(self, step: int) -> float:
+        """Linear warmup over warmup_steps, then constant; `step` counts from 0."""
+        return self.lr * min(1.0, (step + 1) / self.warmup_steps) if self.warmup_steps else self.lr
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    eps_low: float = 0.2
+    eps_high: float = 0.28
+    dual_clip_c: float | None = None
+    log_ratio_clamp: float = 20.0
+
+
+@dataclass(frozen=True)
+class RolloutSample:
+    """One response and what the loss needs for each of its tokens."""
+
+    sequence: Sequence
+    old_logp: torch.Tensor  # [response_len]
+    advantages: torch.Tensor  # [response_len]
+    loss_mask: torch.Tensor  # [response_len] bool
+
+    def __post_init__(self):
+        n = self.sequence.response_len
+        for name in ("old_logp", "advantages", "loss_mask"):
+            if getattr(self, name).shape != (n,):
+                raise ValueError(f"RolloutSample.{name}: shape {tuple(getattr(self, name).shape)}, expected ({n},) "
+                                 "(one entry per response token)")
+
+
+@dataclass
+class StepResult:
+    loss: float  # token-level DAPO loss of the step (all micro-batches, all DP ranks)
+    grad_norm: float
+    lr: float
+    stats: dict[str, float] = field(default_factory=dict)  # summed over the step; ratio_max is the max
+    entropy_mean: float = 0.0
+
+
+class PolicyTrainer:
+    """This rank's model stage, wrapped for training, and the step that updates it."""
+
+    def __init__(self, spec: ModelSpec, parallel: ParallelConfig, device: torch.device, optim: OptimConfig,
+                 loss: LossConfig, max_tokens_per_micro_batch: int):
+        from megatron.core import parallel_state
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        self.spec, self.parallel, self.device = spec, parallel, device
+        self.optim, self.loss_cfg = optim, loss
+        self.max_tokens = max_tokens_per_micro_batch
+        self.step_count = 0
+        model = build_model(spec, parallel, pre_process=parallel_state.is_pipeline_first_stage(),
+                            post_process=parallel_state.is_pipeline_last_stage())
+        config = model.config
+        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                                   use_distributed_optimizer=optim.distributed_optimizer,
+                                                   check_for_nan_in_grad=True)
+        self.model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+        on_gpu = parallel.device == "cuda"
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(optimizer="adam", lr=optim.lr, min_lr=optim.lr, weight_decay=optim.weight_decay,
+                            adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, adam_eps=optim.adam_eps,
+                            clip_grad=optim.clip_grad, bf16=on_gpu,
+                            params_dtype=config.params_dtype, use_distributed_optimizer=optim.distributed_optimizer),
+            [self.model],
+        )
+        config.finalize_model_grads_func = finalize_model_grads
+        config.no_sync_func = self.model.no_sync
+        config.grad_scale_func = self.optimizer.scale_loss
+
+    @property
+    def module(self):
+        """The bare GPTModel stage (for loading weights and forward-only passes)."""
+        return self.model.module
+
+    def _loss_func(self, mb: MicroBatch, old_logp, advantages, mask, logits):
+        logp, entropy = micro_batch_logprobs(logits, mb, self.spec.vocab_size, inplace_backward=True)
+        c = self.loss_cfg
+        loss, stats = dapo_loss(logp, old_logp, advantages, mask, eps_low=c.eps_low, eps_high=c.eps_high,
+                                normalizer=1.0, dual_clip_c=c.dual_clip_c, log_ratio_clamp=c.log_ratio_clamp)
+        num_tokens = mask.sum().to(torch.int)
+        reduced = {"stats": torch.stack(stats), "loss_sum": loss.detach().double(),
+                   "entropy_sum": torch.where(mask, entropy, 0.0).sum().double()}
+        return loss, num_tokens, reduced
+
+    def step(self, samples: list[RolloutSample]) -> StepResult:
+        """One optimizer step on this data-parallel rank's share of the batch."""
+        from megatron.core import parallel_state
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        check_sequences([s.sequence for s in samples], self.spec.max_position_embeddings)
+        mbs = micro_batches([s.sequence for s in samples], self.max_tokens)
+        dev = self.device
+
+        def forward_step(data_iterator, model):
+            mb = next(data_iterator)
+            rows = [samples[i] for i in mb.sample_index]
+            old = torch.cat([r.old_logp for r in rows]).to(dev, torch.float32)
+            adv = torch.cat([r.advantages for r in rows]).to(dev, torch.float32)
+            mask = torch.cat([r.loss_mask for r in rows]).to(dev, torch.bool)
+            return model_forward(model, mb, dev), partial(self._loss_func, mb, old, adv, mask)
+
+        lr = self.optim.lr_at(self.step_count)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        outputs = get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter(mbs), model=[self.model], num_microbatches=len(mbs),
+            seq_length=max(mb.input_ids.shape[1] for mb in mbs), micro_batch_size=1, forward_only=False,
+        )
+        ok, grad_norm, _ = self.optimizer.step()
+        if not ok:
+            raise RuntimeError("optimizer step skipped: non-finite gradients")
+        self.step_count += 1
+        return self._reduce_metrics(outputs, grad_norm, lr, parallel_state)
+
+    def _reduce_metrics(self, outputs, grad_norm, lr, parallel_state) -> StepResult:
+        # Sums over this rank's micro-batches, then over data-parallel ranks, then to every pipeline stage.
+        n = len(STAT_NAMES)
+        totals = torch.zeros(n + 2, dtype=torch.float64, device=self.device)
+        ratio_max = torch.zeros(1, dtype=torch.float64, device=self.device)
+        if is_last_stage():
+            for out in outputs:
+                totals[:n] += out["stats"]
+                totals[n] += out["loss_sum"]
+                totals[n + 1] += out["entropy_sum"]
+                ratio_max = torch.maximum(ratio_max, out["stats"][STAT_NAMES.index("ratio_max")].reshape(1))
+        dp = parallel_state.get_data_parallel_group()
+        dist.all_reduce(totals, group=dp)
+        dist.all_reduce(ratio_max, op=dist.ReduceOp.MAX, group=dp)
+        pp = parallel_state.get_pipeline_model_parallel_group()
+        last = parallel_state.get_pipeline_model_parallel_last_rank()
+        dist.broadcast(totals, src=last, group=pp)
+        dist.broadcast(ratio_max, src=last, group=pp)
+        stats = dict(zip(STAT_NAMES, totals[:n].tolist()))
+        stats["ratio_max"] = ratio_max.item()
+        tokens = max(stats["num_tokens"], 1.0)
+        return StepResult(loss=totals[n].item() / tokens, grad_norm=float(grad_norm), lr=lr, stats=stats,
+                          entropy_mean=totals[n + 1].item() / tokens)
+

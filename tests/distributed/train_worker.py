@@ -1,0 +1,109 @@
+"""torchrun worker: one training step at the layouts a world size allows, and a few Adam steps.
+
+argv: OUT_DIR LAYOUT [LAYOUT ...], a layout being tp,pp,micro_batch_tokens. Per layout the weight
+change of one Adam step, gathered to HF names,
+goes to OUT_DIR/{layout}-stage{pp_rank}.pt from the ranks with tp_rank = dp_rank = 0; the step's
+loss and grad norm to OUT_DIR/{layout}.json. Layout "adam" runs 6 Adam steps at TP=2 and records the loss.
+"""
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from tiny_models import hf_model, hf_response_logprobs, sequences
+
+from megatron_dapo.checkpoint.hf_mapping import hf_tensors, tp_dim
+from megatron_dapo.checkpoint.hf_weights import global_name, layer_offset, load_hf_weights
+from megatron_dapo.config import ParallelConfig
+from megatron_dapo.policy.batch import micro_batches
+from megatron_dapo.policy.hf_config import model_spec_from_hf
+from megatron_dapo.policy.train_step import LossConfig, OptimConfig, PolicyTrainer, RolloutSample
+from megatron_dapo.runtime import init_runtime, reset_parallel_layout, shutdown_runtime
+
+LENGTHS = ((5, 20), (3, 41), (9, 4), (2, 60), (7, 13), (4, 30), (6, 9), (3, 25))
+
+
+def batch(hf):
+    """The same 8 samples everywhere: old log-probs a perturbation of the policy's, group advantages."""
+    seqs = sequences(seed=2, lengths=LENGTHS)
+    g = torch.Generator().manual_seed(5)
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5, 1.5, -1.5, 0.8, -0.8])
+    samples = []
+    for i, (s, (logp, _)) in enumerate(zip(seqs, hf_response_logprobs(hf, seqs))):
+        r = s.response_len
+        old = logp.float() + 0.1 * torch.randn(r, generator=g)
+        mask = torch.rand(r, generator=g) > 0.15
+        samples.append(RolloutSample(s, old, adv[i].expand(r).clone(), mask))
+    return samples
+
+
+@torch.no_grad()
+def gathered_hf_state(model, spec, parallel):
+    from megatron.core import parallel_state
+
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    offset = layer_offset(spec, parallel, parallel_state.get_pipeline_model_parallel_rank())
+    out = {}
+    for name, p in model.named_parameters():
+        mname = global_name(name, offset)
+        if tp_dim(mname) is None:
+            shards = [p.detach().clone()]
+        else:
+            shards = [torch.empty_like(p) for _ in range(parallel.tensor_parallel)]
+            dist.all_gather(shards, p.detach().contiguous(), group=tp_group)
+        out.update(hf_tensors(mname, shards, spec))
+    return out
+
+
+def run_layout(out_dir, layout, spec, hf):
+    from megatron.core import parallel_state
+
+    adam = layout == "adam"
+    tp, pp, mb_tokens = (2, 1, 200) if adam else map(int, layout.split(","))
+    parallel = ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp, device="cpu", seed=7)
+    runtime = init_runtime(parallel)
+    # First Adam step with eps >> |g|: the change is lr * g / (|g| + eps), i.e. minus the gradient for lr = eps.
+    optim = (OptimConfig(lr=3e-3, warmup_steps=0, weight_decay=0.0, clip_grad=1.0) if adam else
+             OptimConfig(lr=1e3, adam_eps=1e3, warmup_steps=0, weight_decay=0.0, clip_grad=0.0))
+    trainer = PolicyTrainer(spec, parallel, runtime.device, optim, LossConfig(dual_clip_c=3.0), mb_tokens)
+    load_hf_weights(trainer.module, hf.state_dict().__getitem__, spec, parallel)
+    dp, dp_rank = runtime.data_parallel, parallel_state.get_data_parallel_rank()
+    samples = batch(hf)
+    mine = samples[dp_rank::dp]
+    tag = "adam" if adam else f"tp{tp}-pp{pp}-dp{dp}-mb{mb_tokens}"
+    counts = [None] * dist.get_world_size()
+    dist.all_gather_object(counts, len(micro_batches([s.sequence for s in mine], mb_tokens)))
+    record = {"micro_batches_per_rank": counts}
+    if adam:
+        losses = []
+        for _ in range(6):
+            result = trainer.step(mine)
+            losses.append(result.loss)
+        record["losses"] = losses
+    else:
+        before = gathered_hf_state(trainer.module, spec, parallel)
+        result = trainer.step(mine)
+        after = gathered_hf_state(trainer.module, spec, parallel)
+        record.update(loss=result.loss, grad_norm=result.grad_norm, stats=result.stats)
+        if parallel_state.get_tensor_model_parallel_rank() == 0 and dp_rank == 0:
+            stage = parallel_state.get_pipeline_model_parallel_rank()
+            torch.save({k: after[k] - before[k] for k in after}, os.path.join(out_dir, f"{tag}-stage{stage}.pt"))
+    if dist.get_rank() == 0:
+        with open(os.path.join(out_dir, f"{tag}.json"), "w") as f:
+            json.dump(record, f)
+    del trainer
+    reset_parallel_layout()
+
+
+def main(out_dir, layouts):
+    hf, cfg = hf_model("qwen2")
+    spec = model_spec_from_hf(cfg)
+    for layout in layouts:
+        run_layout(out_dir, layout, spec, hf)
+    shutdown_runtime()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2:])

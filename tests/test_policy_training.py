@@ -1,0 +1,76 @@
+"""The training step under torchrun (gloo): split invariance across DP / micro-batches / TP / PP, and learning."""
+
+import json
+
+import pytest
+import torch
+from torchrun_launch import torchrun
+
+from megatron_dapo.config import ConfigError
+from megatron_dapo.policy.train_step import OptimConfig, RolloutSample
+
+BASE = "tp1-pp1-dp1-mb100000"  # DP=1, one micro-batch
+SPLITS = ["tp1-pp1-dp2-mb62", "tp2-pp1-dp1-mb200", "tp1-pp2-dp1-mb200"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("train")
+    torchrun("train_worker.py", 1, str(out), "1,1,100000")
+    torchrun("train_worker.py", 2, str(out), "1,1,62", "2,1,200", "1,2,200", "adam")
+
+    def load(tag):
+        deltas = {}
+        for f in sorted(out.glob(f"{tag}-stage*.pt")):
+            deltas.update(torch.load(f))
+        return json.loads((out / f"{tag}.json").read_text()), deltas
+
+    return {tag: load(tag) for tag in [BASE, *SPLITS, "adam"]}
+
+
+def test_base_layout_is_one_micro_batch(runs):
+    assert runs[BASE][0]["micro_batches_per_rank"] == [1]
+
+
+def test_data_parallel_layout_splits_into_many_micro_batches(runs):
+    assert runs["tp1-pp1-dp2-mb62"][0]["micro_batches_per_rank"] == [2, 4]
+
+
+@pytest.mark.parametrize("split", SPLITS)
+def test_one_step_is_the_same_whatever_the_split(runs, split):
+    base_meta, base = runs[BASE]
+    meta, other = runs[split]
+    assert other.keys() == base.keys() and len(base) == 51  # every HF tensor of the 4-layer model
+    scale = max(v.abs().max().item() for v in base.values())
+    assert scale > 1e-3  # the step moved the weights
+    worst = max((other[k] - base[k]).abs().max().item() for k in base) / scale
+    assert worst < 1e-5, f"weight change differs from DP=1/one micro-batch by {worst:.2e} (relative)"
+    assert meta["grad_norm"] == pytest.approx(base_meta["grad_norm"], rel=1e-5)
+    assert meta["loss"] == pytest.approx(base_meta["loss"], rel=1e-5)
+    assert meta["stats"]["num_tokens"] == base_meta["stats"]["num_tokens"]
+
+
+def test_a_few_adam_steps_lower_the_loss(runs):
+    losses = runs["adam"][0]["losses"]
+    assert all(b < a for a, b in zip(losses, losses[1:])), losses
+    assert losses[-1] < 0.7 * losses[0]
+
+
+def test_learning_rate_warmup_then_constant():
+    optim = OptimConfig(lr=1e-6, warmup_steps=4)
+    assert [optim.lr_at(s) for s in range(6)] == pytest.approx([2.5e-7, 5e-7, 7.5e-7, 1e-6, 1e-6, 1e-6])
+
+
+@pytest.mark.parametrize("kw,key", [(dict(lr=0.0), "optim.lr"), (dict(warmup_steps=-1), "optim.warmup_steps"),
+                                    (dict(clip_grad=-1.0), "optim.clip_grad")])
+def test_bad_optim_config(kw, key):
+    with pytest.raises(ConfigError, match=key):
+        OptimConfig(**kw)
+
+
+def test_rollout_sample_shapes_are_checked():
+    from megatron_dapo.policy.batch import Sequence
+
+    seq = Sequence(torch.arange(10), 4)
+    with pytest.raises(ValueError, match=r"RolloutSample.advantages: shape \(5,\), expected \(6,\)"):
+        RolloutSample(seq, torch.zeros(6), torch.zeros(5), torch.ones(6, dtype=torch.bool))
