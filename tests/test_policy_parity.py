@@ -5,7 +5,7 @@ import json
 import pytest
 from torchrun_launch import torchrun
 
-CASES = [f"{kind}-tp{tp}-pp{pp}" for kind in ("qwen2", "qwen2_tied", "llama")
+CASES = [f"{kind}-tp{tp}-pp{pp}" for kind in ("qwen2", "qwen2_tied", "qwen3", "llama")
          for tp, pp in ((1, 1), (2, 1), (1, 2), (2, 2))]
 
 

@@ -54,7 +54,7 @@ def main(out_dir: str) -> None:
     world = int(os.environ["WORLD_SIZE"])
     results = {}
     seqs = sequences()
-    for kind in ("qwen2", "qwen2_tied", "llama"):
+    for kind in ("qwen2", "qwen2_tied", "qwen3", "llama"):
         hf, cfg = hf_model(kind)
         ref = hf_response_logprobs(hf, seqs)
         spec = model_spec_from_hf(cfg)

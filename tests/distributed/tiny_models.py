@@ -1,7 +1,7 @@
 """Tiny random-weight Hugging Face models and batches, identical on every rank that builds them."""
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 VOCAB = 300  # not a multiple of 128: the padded vocabulary has columns to leave out
 
@@ -17,6 +17,9 @@ def hf_model(kind: str, seed: int = 0):
     elif kind == "qwen2_tied":
         cfg = Qwen2Config(**TINY, tie_word_embeddings=True, architectures=["Qwen2ForCausalLM"])
         model = Qwen2ForCausalLM(cfg)
+    elif kind == "qwen3":  # q/k RMSNorm, and a head_dim that is not hidden_size / heads
+        cfg = Qwen3Config(**TINY, head_dim=24, architectures=["Qwen3ForCausalLM"])
+        model = Qwen3ForCausalLM(cfg)
     elif kind == "llama":
         cfg = LlamaConfig(**TINY, rope_theta=50000.0, architectures=["LlamaForCausalLM"])
         model = LlamaForCausalLM(cfg)

@@ -1,0 +1,51 @@
+"""The Megatron policy on one GPU (NCCL, bf16, Transformer Engine layers when installed) against transformers."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "distributed"))
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+
+
+@pytest.fixture(scope="module")
+def runtime():
+    from torchrun_launch import free_port
+
+    from megatron_dapo.config import ParallelConfig
+    from megatron_dapo.runtime import init_runtime, shutdown_runtime
+
+    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port())}
+    parallel = ParallelConfig(device="cuda")
+    rt = init_runtime(parallel, environ=env)
+    yield rt
+    shutdown_runtime()
+
+
+def test_bf16_logprobs_and_a_training_step(runtime):
+    from tiny_models import hf_model, hf_response_logprobs, sequences
+
+    from megatron_dapo.checkpoint.hf_weights import load_hf_weights
+    from megatron_dapo.policy.forward import response_logprobs
+    from megatron_dapo.policy.hf_config import model_spec_from_hf
+    from megatron_dapo.policy.train_step import LossConfig, OptimConfig, PolicyTrainer, RolloutSample
+
+    hf, cfg = hf_model("qwen2")
+    spec = model_spec_from_hf(cfg)
+    trainer = PolicyTrainer(spec, runtime.parallel, runtime.device, OptimConfig(lr=1e-3, warmup_steps=0),
+                            LossConfig(), max_tokens_per_micro_batch=130)
+    load_hf_weights(trainer.module, hf.state_dict().__getitem__, spec, runtime.parallel)
+    seqs = sequences()
+    ref = hf_response_logprobs(hf, seqs)
+    out = response_logprobs(trainer.module, seqs, vocab_size=spec.vocab_size, max_positions=96,
+                            max_tokens_per_micro_batch=130, device=runtime.device)
+    worst = max((o[0].double().cpu() - r[0]).abs().max().item() for o, r in zip(out, ref))
+    assert worst < 0.1, f"bf16 log-probs off by {worst}"
+    samples = [RolloutSample(s, o[0].float().cpu(), torch.full((s.response_len,), 1.0 if i % 2 else -1.0),
+                             torch.ones(s.response_len, dtype=torch.bool)) for i, (s, o) in enumerate(zip(seqs, out))]
+    losses = [trainer.step(samples).loss for _ in range(4)]
+    assert losses[-1] < losses[0], losses
