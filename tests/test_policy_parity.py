@@ -6,7 +6,7 @@ import pytest
 from torchrun_launch import torchrun
 
 CASES = [f"{kind}-tp{tp}-pp{pp}" for kind in ("qwen2", "qwen2_tied", "qwen3", "llama")
-         for tp, pp in ((1, 1), (2, 1), (1, 2), (2, 2))]
+         for tp, pp in ((1, 1), (2, 1), (1, 2), (2, 2))] + ["folder-qwen2_tied-tp2-pp2"]
 
 
 @pytest.fixture(scope="module")

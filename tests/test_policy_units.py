@@ -3,7 +3,15 @@
 import pytest
 import torch
 
-from megatron_dapo.checkpoint.hf_mapping import MappingError, hf_names, hf_tensors, megatron_shard
+from megatron_dapo.checkpoint.hf_mapping import (
+    MappingError,
+    hf_names,
+    hf_shape,
+    hf_tensors,
+    expected_hf_names,
+    megatron_names,
+    megatron_shard,
+)
 from megatron_dapo.config import ConfigError, ParallelConfig
 from megatron_dapo.policy import logprobs as logprobs_module
 from megatron_dapo.policy.batch import Sequence, check_sequences, micro_batches, plan_micro_batches
@@ -84,26 +92,17 @@ def test_mapping_round_trip_is_exact(tp, tied):
     spec = model_spec_from_hf({**QWEN2, "tie_word_embeddings": tied})
     g = torch.Generator().manual_seed(0)
     hf = {}
-    names = ["embedding.word_embeddings.weight", "decoder.final_layernorm.weight"]
-    if not tied:
-        names.append("output_layer.weight")
-    for layer in range(spec.num_layers):
-        names += [f"decoder.layers.{layer}.{s}" for s in (
-            "input_layernorm.weight", "self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias",
-            "self_attention.linear_proj.weight", "pre_mlp_layernorm.weight", "mlp.linear_fc1.weight",
-            "mlp.linear_fc2.weight")]
-    from megatron_dapo.checkpoint.hf_mapping import _expected_shape
-
+    names = megatron_names(spec)
     for mname in names:
         for n in hf_names(mname, spec):
-            hf.setdefault(n, torch.randn(_expected_shape(n, spec), generator=g))
+            hf.setdefault(n, torch.randn(hf_shape(n, spec), generator=g))
     vocab = padded_vocab_size(spec.vocab_size, tp)
     back = {}
     for mname in names:
         shards = [megatron_shard(mname, hf.__getitem__, spec, tp_rank=r, tp_size=tp, padded_vocab_size=vocab)
                   for r in range(tp)]
         back.update(hf_tensors(mname, shards, spec))
-    assert back.keys() == hf.keys()
+    assert back.keys() == hf.keys() == expected_hf_names(spec)
     assert all(torch.equal(back[k], hf[k]) for k in hf)
 
 

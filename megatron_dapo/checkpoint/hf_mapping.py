@@ -72,6 +72,27 @@ def hf_names(mname: str, spec: ModelSpec) -> list[str]:
     raise MappingError(f"no Hugging Face counterpart for Megatron tensor {mname!r}")
 
 
+def megatron_names(spec: ModelSpec) -> list[str]:
+    """Every Megatron tensor of the model (global layer numbering, local-spec names)."""
+    layer = ["input_layernorm.weight", "self_attention.linear_qkv.weight", "self_attention.linear_proj.weight",
+             "pre_mlp_layernorm.weight", "mlp.linear_fc1.weight", "mlp.linear_fc2.weight"]
+    if spec.qkv_bias:
+        layer.append("self_attention.linear_qkv.bias")
+    if spec.qk_layernorm:
+        layer += ["self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight"]
+    names = ["embedding.word_embeddings.weight"]
+    names += [f"decoder.layers.{i}.{s}" for i in range(spec.num_layers) for s in layer]
+    names.append("decoder.final_layernorm.weight")
+    if not spec.tie_word_embeddings:
+        names.append("output_layer.weight")
+    return names
+
+
+def expected_hf_names(spec: ModelSpec) -> set[str]:
+    """The HF tensor names a checkpoint of this model holds."""
+    return {n for mname in megatron_names(spec) for n in hf_names(mname, spec)}
+
+
 def tp_dim(mname: str) -> int | None:
     """The dimension Megatron splits `mname` along across tensor-parallel ranks, or None."""
     if mname in ("embedding.word_embeddings.weight", "output_layer.weight"):
@@ -80,7 +101,8 @@ def tp_dim(mname: str) -> int | None:
     return _LAYER_TP_DIM.get(match.group(2)) if match else None
 
 
-def _expected_shape(hf_name: str, spec: ModelSpec) -> tuple[int, ...]:
+def hf_shape(hf_name: str, spec: ModelSpec) -> tuple[int, ...]:
+    """The shape config.json implies for HF tensor `hf_name`."""
     h, d = spec.hidden_size, spec.head_dim
     q, kv = spec.num_attention_heads * d, spec.num_query_groups * d
     table = {
@@ -98,7 +120,7 @@ def _expected_shape(hf_name: str, spec: ModelSpec) -> tuple[int, ...]:
 
 def _fetch(get: Callable[[str], torch.Tensor], name: str, spec: ModelSpec) -> torch.Tensor:
     tensor = get(name)
-    expected = _expected_shape(name, spec)
+    expected = hf_shape(name, spec)
     if tuple(tensor.shape) != expected:
         raise MappingError(f"{name}: shape {tuple(tensor.shape)} disagrees with config.json, which implies {expected}")
     return tensor

@@ -21,6 +21,47 @@ from megatron_dapo.runtime import init_runtime, reset_parallel_layout, shutdown_
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
 
 
+def policy_logprob_errors(spec, parallel, get, seqs, ref) -> dict | None:
+    """Build this rank's stage, fill it from get(hf_name), and compare its log-probs with `ref`."""
+    from megatron.core import parallel_state
+
+    runtime = init_runtime(parallel)
+    model = build_model(spec, parallel, pre_process=parallel_state.is_pipeline_first_stage(),
+                        post_process=parallel_state.is_pipeline_last_stage())
+    load_hf_weights(model, get, spec, parallel)
+    model.eval()
+    out = response_logprobs(model, seqs, vocab_size=spec.vocab_size, max_positions=spec.max_position_embeddings,
+                            max_tokens_per_micro_batch=130, device=runtime.device)
+    reset_parallel_layout()
+    if out is None:
+        return None
+    return {
+        "max_abs_logp": max((o[0].double() - r[0]).abs().max().item() for o, r in zip(out, ref)),
+        "max_abs_entropy": max((o[1].double() - r[1]).abs().max().item() for o, r in zip(out, ref)),
+        "tokens": sum(o[0].numel() for o in out),
+    }
+
+
+def checkpoint_folder_case(out_dir: str, seqs) -> dict:
+    """The policy filled from a saved, sharded Hugging Face folder through the validating reader."""
+    import torch.distributed as dist
+
+    from megatron_dapo.checkpoint.safetensors_io import HFCheckpoint
+
+    hf, _ = hf_model("qwen2_tied", seed=4)
+    path = os.path.join(out_dir, "hf_qwen2_tied")
+    if dist.get_rank() == 0:
+        hf.save_pretrained(path, max_shard_size="60KB")
+    dist.barrier()
+    ckpt = HFCheckpoint(path)
+    spec = model_spec_from_hf(ckpt.config)
+    ckpt.validate(spec)
+    tp, pp = (2, 2) if dist.get_world_size() % 4 == 0 else (1, 1)
+    errors = policy_logprob_errors(spec, ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp, device="cpu"),
+                                   ckpt.get, seqs, hf_response_logprobs(hf, seqs))
+    return {} if errors is None else {f"folder-qwen2_tied-tp{tp}-pp{pp}": errors}
+
+
 def vocab_parallel_gradient_case(world: int) -> dict:
     """Log-prob gradients with the vocabulary split over TP ranks equal the full-softmax gradients."""
     from megatron.core import parallel_state
@@ -49,8 +90,6 @@ def vocab_parallel_gradient_case(world: int) -> dict:
 
 
 def main(out_dir: str) -> None:
-    from megatron.core import parallel_state
-
     world = int(os.environ["WORLD_SIZE"])
     results = {}
     seqs = sequences()
@@ -63,22 +102,11 @@ def main(out_dir: str) -> None:
             if world % (tp * pp):
                 continue
             parallel = ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp, device="cpu")
-            runtime = init_runtime(parallel)
-            model = build_model(spec, parallel, pre_process=parallel_state.is_pipeline_first_stage(),
-                                post_process=parallel_state.is_pipeline_last_stage())
-            load_hf_weights(model, state.__getitem__, spec, parallel)
-            model.eval()
-            out = response_logprobs(model, seqs, vocab_size=spec.vocab_size, max_positions=spec.max_position_embeddings,
-                                    max_tokens_per_micro_batch=130, device=runtime.device)
-            if out is not None:
-                results[f"{kind}-tp{tp}-pp{pp}"] = {
-                    "max_abs_logp": max((o[0].double() - r[0]).abs().max().item() for o, r in zip(out, ref)),
-                    "max_abs_entropy": max((o[1].double() - r[1]).abs().max().item() for o, r in zip(out, ref)),
-                    "tokens": sum(o[0].numel() for o in out),
-                }
-            del model
-            reset_parallel_layout()
+            errors = policy_logprob_errors(spec, parallel, state.__getitem__, seqs, ref)
+            if errors is not None:
+                results[f"{kind}-tp{tp}-pp{pp}"] = errors
     results.update(vocab_parallel_gradient_case(world))
+    results.update(checkpoint_folder_case(out_dir, seqs))
     with open(os.path.join(out_dir, f"rank{int(os.environ['RANK'])}.json"), "w") as f:
         json.dump(results, f)
     shutdown_runtime()

@@ -1,0 +1,188 @@
+"""Hugging Face checkpoints on disk: a validating, lazy safetensors reader and an atomic, streaming writer.
+
+Reading checks every file's header against its size (a truncated download is refused before any
+tensor is read), that the index and the files agree, and that every tensor is one the architecture
+has, with the shape config.json implies. Tensors are then read one at a time, on demand.
+
+Writing fills shards up to a size limit and holds at most one shard in memory; everything goes to a
+temporary folder beside the output, renamed into place only once complete, so a crash never leaves a
+checkpoint that looks whole.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import struct
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from megatron_dapo.checkpoint.hf_mapping import MappingError, expected_hf_names, hf_shape
+from megatron_dapo.policy.hf_config import ModelSpec
+
+log = logging.getLogger(__name__)
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+# Files besides the weights that make a checkpoint usable by transformers and SGLang.
+SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
+              "tokenizer.model", "added_tokens.json", "chat_template.jinja", "generation_config.json")
+_DERIVED = ("rotary_emb.inv_freq",)  # buffers some checkpoints carry that the config defines
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be read or written as asked; the message names the file or tensor."""
+
+
+def _read_header(path: Path) -> dict:
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        raw = f.read(8)
+        if len(raw) < 8:
+            raise CheckpointError(f"{path}: {size} bytes, too short to be a safetensors file (truncated?)")
+        (n,) = struct.unpack("<Q", raw)
+        if 8 + n > size:
+            raise CheckpointError(f"{path}: header of {n} bytes runs past the end of the {size}-byte file (truncated?)")
+        try:
+            header = json.loads(f.read(n))
+        except ValueError as exc:
+            raise CheckpointError(f"{path}: unreadable safetensors header ({exc})") from None
+    header.pop("__metadata__", None)
+    end = max((info["data_offsets"][1] for info in header.values()), default=0)
+    if 8 + n + end > size:
+        raise CheckpointError(f"{path}: tensors need {8 + n + end} bytes but the file has {size} (truncated?)")
+    return header
+
+
+class HFCheckpoint:
+    """A Hugging Face checkpoint folder (config.json + model.safetensors or sharded with an index)."""
+
+    def __init__(self, path):
+        self.path = Path(path)
+        config = self.path / "config.json"
+        if not config.is_file():
+            raise CheckpointError(f"{self.path}: no config.json")
+        self.config = json.loads(config.read_text())
+        if (self.path / INDEX).is_file():
+            weight_map = json.loads((self.path / INDEX).read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
+        elif (self.path / SINGLE).is_file():
+            weight_map, files = None, [SINGLE]
+        else:
+            raise CheckpointError(f"{self.path}: neither {INDEX} nor {SINGLE}")
+        self._file_of: dict[str, str] = {}
+        self._shape: dict[str, tuple[int, ...]] = {}
+        for name in files:
+            file = self.path / name
+            if not file.is_file():
+                raise CheckpointError(f"{self.path / INDEX} lists {name}, which is missing")
+            for tensor, info in _read_header(file).items():
+                self._file_of[tensor] = name
+                self._shape[tensor] = tuple(info["shape"])
+        if weight_map is not None:
+            for tensor, name in weight_map.items():
+                if self._file_of.get(tensor) != name:
+                    raise CheckpointError(f"{self.path / INDEX}: {tensor} is listed in {name} but is not there")
+        self._handles: dict[str, object] = {}
+
+    def names(self) -> list[str]:
+        return list(self._file_of)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._shape[name]
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self._file_of:
+            raise MappingError(f"{self.path}: no tensor {name!r} in the checkpoint")
+        file = self._file_of[name]
+        if file not in self._handles:
+            self._handles[file] = safe_open(str(self.path / file), framework="pt")
+        return self._handles[file].get_tensor(name)
+
+    def validate(self, spec: ModelSpec) -> None:
+        """Every expected tensor is there with the shape config.json implies, and nothing else is."""
+        expected = expected_hf_names(spec)
+        for name in self.names():
+            if name in expected or name.endswith(_DERIVED):
+                continue
+            if name == "lm_head.weight" and spec.tie_word_embeddings:
+                if not torch.equal(self.get(name), self.get("model.embed_tokens.weight")):
+                    raise CheckpointError(f"{self.path}: tie_word_embeddings is true but lm_head.weight differs from "
+                                          "model.embed_tokens.weight")
+                continue
+            raise MappingError(f"{self.path}: tensor {name!r} is not part of a {spec.architecture} with this "
+                               "config.json (unknown name, or more layers than num_hidden_layers)")
+        for name in sorted(expected):
+            if name not in self._shape:
+                raise MappingError(f"{self.path}: tensor {name!r} is missing")
+            if self._shape[name] != hf_shape(name, spec):
+                raise MappingError(f"{self.path}: {name} has shape {self._shape[name]} but config.json implies "
+                                   f"{hf_shape(name, spec)}")
+        for name in self.names():
+            if name.endswith(_DERIVED):
+                log.warning("%s: ignoring %s, which the config's rotary settings define", self.path, name)
+
+
+def holds_checkpoint(path: Path) -> bool:
+    return path.is_dir() and any((path / n).exists() for n in ("config.json", INDEX, SINGLE, "metadata.json"))
+
+
+def write_hf_checkpoint(out_dir, tensors: Iterable[tuple[str, torch.Tensor]], *, config: dict,
+                        side_files_from=None, max_shard_bytes: int = 5 * 2**30) -> Path:
+    """Write `tensors` (name, tensor), in order, as safetensors shards + index + config.json, atomically."""
+    out = Path(out_dir)
+    if holds_checkpoint(out):
+        raise CheckpointError(f"{out}: already holds a checkpoint; choose a new output folder or remove it")
+    if out.exists() and any(out.iterdir()):
+        raise CheckpointError(f"{out}: exists and is not empty; choose a new output folder")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        shard: dict[str, torch.Tensor] = {}
+        shard_bytes, files, weight_map, total = 0, [], {}, 0
+
+        def flush():
+            nonlocal shard, shard_bytes
+            name = f"shard-{len(files):05d}.safetensors"
+            save_file(shard, str(tmp / name), metadata={"format": "pt"})
+            files.append((name, list(shard)))
+            shard, shard_bytes = {}, 0
+
+        for name, tensor in tensors:
+            if name in weight_map or name in shard:
+                raise CheckpointError(f"tensor {name!r} written twice")
+            nbytes = tensor.numel() * tensor.element_size()
+            if shard and shard_bytes + nbytes > max_shard_bytes:
+                flush()
+            shard[name] = tensor.detach().contiguous().cpu()
+            shard_bytes += nbytes
+            total += nbytes
+            weight_map[name] = None
+        if shard:
+            flush()
+        for i, (name, names) in enumerate(files):
+            final = f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
+            (tmp / name).rename(tmp / final)
+            weight_map.update(dict.fromkeys(names, final))
+        (tmp / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        if side_files_from is not None:
+            for name in SIDE_FILES:
+                src = Path(side_files_from) / name
+                if src.is_file():
+                    shutil.copy2(src, tmp / name)
+        if out.exists():
+            out.rmdir()  # empty, checked above
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
