@@ -6,7 +6,8 @@ import pytest
 from torchrun_launch import torchrun
 
 CASES = [f"{kind}-tp{tp}-pp{pp}" for kind in ("qwen2", "qwen2_tied", "qwen3", "llama")
-         for tp, pp in ((1, 1), (2, 1), (1, 2), (2, 2))] + ["folder-qwen2_tied-tp2-pp2"]
+         for tp, pp in ((1, 1), (2, 1), (1, 2), (2, 2))]
+CASES += [f"folder-{kind}-tp2-pp2" for kind in ("qwen2_tied", "qwen2", "llama")]
 
 
 @pytest.fixture(scope="module")
@@ -26,6 +27,11 @@ def test_logprobs_and_entropy_match_transformers(parity, case):
     assert r["tokens"] == 138
     assert r["max_abs_logp"] < 1e-4
     assert r["max_abs_entropy"] < 1e-4
+
+
+@pytest.mark.parametrize("kind", ["qwen2_tied", "qwen2", "llama"])
+def test_export_from_tp2_pp2_is_bitwise_the_source_checkpoint(parity, kind):
+    assert parity[f"export-{kind}-tp2-pp2"] == {"same_names": True, "bitwise_equal": True, "same_config": True}
 
 
 def test_vocab_parallel_gradient_matches_full_softmax(parity):

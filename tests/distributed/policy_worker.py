@@ -21,18 +21,9 @@ from megatron_dapo.runtime import init_runtime, reset_parallel_layout, shutdown_
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
 
 
-def policy_logprob_errors(spec, parallel, get, seqs, ref) -> dict | None:
-    """Build this rank's stage, fill it from get(hf_name), and compare its log-probs with `ref`."""
-    from megatron.core import parallel_state
-
-    runtime = init_runtime(parallel)
-    model = build_model(spec, parallel, pre_process=parallel_state.is_pipeline_first_stage(),
-                        post_process=parallel_state.is_pipeline_last_stage())
-    load_hf_weights(model, get, spec, parallel)
-    model.eval()
+def logprob_errors(model, spec, runtime, seqs, ref) -> dict | None:
     out = response_logprobs(model, seqs, vocab_size=spec.vocab_size, max_positions=spec.max_position_embeddings,
                             max_tokens_per_micro_batch=130, device=runtime.device)
-    reset_parallel_layout()
     if out is None:
         return None
     return {
@@ -42,24 +33,51 @@ def policy_logprob_errors(spec, parallel, get, seqs, ref) -> dict | None:
     }
 
 
-def checkpoint_folder_case(out_dir: str, seqs) -> dict:
-    """The policy filled from a saved, sharded Hugging Face folder through the validating reader."""
+def build_loaded(spec, parallel, get):
+    """This rank's stage, filled from get(hf_name)."""
+    from megatron.core import parallel_state
+
+    runtime = init_runtime(parallel)
+    model = build_model(spec, parallel, pre_process=parallel_state.is_pipeline_first_stage(),
+                        post_process=parallel_state.is_pipeline_last_stage())
+    load_hf_weights(model, get, spec, parallel)
+    return model.eval(), runtime
+
+
+def folder_round_trip_cases(out_dir: str, seqs) -> dict:
+    """HF folder -> the validating reader -> Megatron at TP=2 x PP=2 -> log-probs, and -> exported HF folder."""
     import torch.distributed as dist
 
+    from megatron_dapo.checkpoint.hf_export import export_hf_checkpoint
     from megatron_dapo.checkpoint.safetensors_io import HFCheckpoint
 
-    hf, _ = hf_model("qwen2_tied", seed=4)
-    path = os.path.join(out_dir, "hf_qwen2_tied")
-    if dist.get_rank() == 0:
-        hf.save_pretrained(path, max_shard_size="60KB")
-    dist.barrier()
-    ckpt = HFCheckpoint(path)
-    spec = model_spec_from_hf(ckpt.config)
-    ckpt.validate(spec)
+    results = {}
     tp, pp = (2, 2) if dist.get_world_size() % 4 == 0 else (1, 1)
-    errors = policy_logprob_errors(spec, ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp, device="cpu"),
-                                   ckpt.get, seqs, hf_response_logprobs(hf, seqs))
-    return {} if errors is None else {f"folder-qwen2_tied-tp{tp}-pp{pp}": errors}
+    for kind in ("qwen2_tied", "qwen2", "llama"):
+        hf, _ = hf_model(kind, seed=4)
+        src = os.path.join(out_dir, f"hf_{kind}")
+        if dist.get_rank() == 0:
+            hf.save_pretrained(src, max_shard_size="60KB")
+        dist.barrier()
+        ckpt = HFCheckpoint(src)
+        spec = model_spec_from_hf(ckpt.config)
+        ckpt.validate(spec)
+        parallel = ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp, device="cpu")
+        model, runtime = build_loaded(spec, parallel, ckpt.get)
+        errors = logprob_errors(model, spec, runtime, seqs, hf_response_logprobs(hf, seqs))
+        if errors is not None:
+            results[f"folder-{kind}-tp{tp}-pp{pp}"] = errors
+        exported = os.path.join(out_dir, f"exported_{kind}")
+        export_hf_checkpoint(model, spec, parallel, exported, hf_config=ckpt.config, max_shard_bytes=50_000)
+        if dist.get_rank() == 0:
+            back = HFCheckpoint(exported)
+            results[f"export-{kind}-tp{tp}-pp{pp}"] = {
+                "same_names": sorted(back.names()) == sorted(ckpt.names()),
+                "bitwise_equal": all(torch.equal(back.get(n), ckpt.get(n)) for n in ckpt.names()),
+                "same_config": back.config == ckpt.config,
+            }
+        reset_parallel_layout()
+    return results
 
 
 def vocab_parallel_gradient_case(world: int) -> dict:
@@ -101,12 +119,14 @@ def main(out_dir: str) -> None:
         for tp, pp in LAYOUTS:
             if world % (tp * pp):
                 continue
-            parallel = ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp, device="cpu")
-            errors = policy_logprob_errors(spec, parallel, state.__getitem__, seqs, ref)
+            model, runtime = build_loaded(spec, ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp, device="cpu"),
+                                          state.__getitem__)
+            errors = logprob_errors(model, spec, runtime, seqs, ref)
             if errors is not None:
                 results[f"{kind}-tp{tp}-pp{pp}"] = errors
+            reset_parallel_layout()
     results.update(vocab_parallel_gradient_case(world))
-    results.update(checkpoint_folder_case(out_dir, seqs))
+    results.update(folder_round_trip_cases(out_dir, seqs))
     with open(os.path.join(out_dir, f"rank{int(os.environ['RANK'])}.json"), "w") as f:
         json.dump(results, f)
     shutdown_runtime()

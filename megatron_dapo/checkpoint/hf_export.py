@@ -1,0 +1,90 @@
+"""Gather a TP x PP sharded Megatron model back into Hugging Face tensors, one tensor at a time.
+
+Every rank walks the model's tensors in the same order. The data-parallel replica 0 of the stage
+that holds a tensor all-gathers its tensor-parallel shards, turns them into HF tensors through the
+mapping, and sends them to global rank 0, which yields them. Peak extra memory on rank 0 is one
+full tensor. Used to export a Hugging Face checkpoint from a live (or just loaded) model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+
+from megatron_dapo.checkpoint.hf_mapping import hf_names, hf_shape, hf_tensors, megatron_names, tp_dim
+from megatron_dapo.checkpoint.safetensors_io import write_hf_checkpoint
+from megatron_dapo.config import ParallelConfig
+from megatron_dapo.policy.hf_config import ModelSpec
+
+_LAYER_PREFIX = "decoder.layers."
+
+
+def _owner_stage(mname: str, spec: ModelSpec, parallel: ParallelConfig) -> int:
+    if mname.startswith("embedding."):
+        return 0
+    if mname.startswith(_LAYER_PREFIX):
+        layer = int(mname[len(_LAYER_PREFIX):].split(".", 1)[0])
+        return layer // (spec.num_layers // parallel.pipeline_parallel)
+    return parallel.pipeline_parallel - 1  # final norm, output layer
+
+
+def _local_name(mname: str, spec: ModelSpec, parallel: ParallelConfig, stage: int) -> str:
+    if not mname.startswith(_LAYER_PREFIX):
+        return mname
+    layer, rest = mname[len(_LAYER_PREFIX):].split(".", 1)
+    return f"{_LAYER_PREFIX}{int(layer) - stage * (spec.num_layers // parallel.pipeline_parallel)}.{rest}"
+
+
+def iter_hf_tensors(model: torch.nn.Module, spec: ModelSpec, parallel: ParallelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """On global rank 0: (hf_name, full tensor) for every tensor of the model. On other ranks: nothing,
+    but every rank must iterate to the end (the gathers are collective)."""
+    from megatron.core import parallel_state
+
+    params = dict(model.named_parameters())
+    dtype = next(iter(params.values())).dtype
+    device = next(iter(params.values())).device
+    stage = parallel_state.get_pipeline_model_parallel_rank()
+    first_dp = parallel_state.get_data_parallel_rank() == 0
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    me = dist.get_rank()
+    for mname in megatron_names(spec):
+        owner = _owner_stage(mname, spec, parallel)
+        # The sender: replica 0 of the owning stage, tensor-parallel rank 0.
+        src = parallel_state.get_pipeline_model_parallel_group()
+        src_rank = dist.get_global_rank(src, owner) if parallel.pipeline_parallel > 1 else me
+        if stage == owner and first_dp:
+            local = params[_local_name(mname, spec, parallel, stage)].detach()
+            if tp_dim(mname) is None:
+                shards = [local]
+            else:
+                shards = [torch.empty_like(local) for _ in range(parallel.tensor_parallel)]
+                dist.all_gather(shards, local.contiguous(), group=tp_group)
+            tensors = hf_tensors(mname, shards, spec)
+        else:
+            tensors = None
+        is_sender = stage == owner and first_dp and parallel_state.get_tensor_model_parallel_rank() == 0
+        for name in hf_names(mname, spec):
+            if me == 0:
+                if is_sender:
+                    yield name, tensors[name]
+                else:
+                    buf = torch.empty(hf_shape(name, spec), dtype=dtype, device=device)
+                    dist.recv(buf, src=src_rank)
+                    yield name, buf
+            elif is_sender:
+                dist.send(tensors[name].contiguous(), dst=0)
+
+
+def export_hf_checkpoint(model, spec: ModelSpec, parallel: ParallelConfig, out_dir, *, hf_config: dict,
+                         side_files_from=None, max_shard_bytes: int = 5 * 2**30):
+    """Write the model as a Hugging Face checkpoint from global rank 0; collective over all ranks."""
+    tensors = iter_hf_tensors(model, spec, parallel)
+    if dist.get_rank() == 0:
+        write_hf_checkpoint(out_dir, tensors, config=hf_config, side_files_from=side_files_from,
+                            max_shard_bytes=max_shard_bytes)
+    else:
+        for _ in tensors:
+            pass
+    dist.barrier()
