@@ -12,7 +12,13 @@ def main(argv: list[str] | None = None) -> int:
     demo = commands.add_parser("demo", help="show the fused DAPO loss updating a toy policy on the seed's group of four")
     demo.add_argument("--steps", type=int, default=8, help="optimizer steps on the fixed rollout (default 8)")
     demo.add_argument("--seed", type=int, default=0)
+    convert = commands.add_parser("convert", help="convert checkpoints between Hugging Face and megatron-core")
+    from megatron_dapo.checkpoint import convert as convert_module
+
+    convert_module.add_arguments(convert)
     args = parser.parse_args(argv)
+    if args.command == "convert":
+        return convert_module.run(args)
     if args.command == "demo":
         from megatron_dapo.op_demo import run_demo
 

@@ -38,12 +38,13 @@ def _local_name(mname: str, spec: ModelSpec, parallel: ParallelConfig, stage: in
 
 
 def iter_hf_tensors(model: torch.nn.Module, spec: ModelSpec, parallel: ParallelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """On global rank 0: (hf_name, full tensor) for every tensor of the model. On other ranks: nothing,
-    but every rank must iterate to the end (the gathers are collective)."""
+    """On global rank 0: (hf_name, full tensor in the model's params_dtype) for every tensor of the
+    model. On other ranks: nothing, but every rank must iterate to the end (the gathers are collective)."""
     from megatron.core import parallel_state
 
     params = dict(model.named_parameters())
-    dtype = next(iter(params.values())).dtype
+    # Megatron keeps some tensors (norms) in fp32 whatever the model's dtype: export in the model's dtype.
+    dtype = model.config.params_dtype
     device = next(iter(params.values())).device
     stage = parallel_state.get_pipeline_model_parallel_rank()
     first_dp = parallel_state.get_data_parallel_rank() == 0
@@ -55,7 +56,7 @@ def iter_hf_tensors(model: torch.nn.Module, spec: ModelSpec, parallel: ParallelC
         src = parallel_state.get_pipeline_model_parallel_group()
         src_rank = dist.get_global_rank(src, owner) if parallel.pipeline_parallel > 1 else me
         if stage == owner and first_dp:
-            local = params[_local_name(mname, spec, parallel, stage)].detach()
+            local = params[_local_name(mname, spec, parallel, stage)].detach().to(dtype)
             if tp_dim(mname) is None:
                 shards = [local]
             else:

@@ -39,12 +39,15 @@ def use_transformer_engine(parallel: ParallelConfig) -> bool:
     return True
 
 
-def transformer_config(spec: ModelSpec, parallel: ParallelConfig):
+def transformer_config(spec: ModelSpec, parallel: ParallelConfig, params_dtype: torch.dtype | None = None,
+                       initialize: bool = True):
+    """bf16 on GPU and fp32 on CPU unless `params_dtype` says otherwise (the converter keeps the file's).
+    `initialize=False` leaves the weights unset, for a model that is about to be filled from a checkpoint."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     check_divisibility(spec, parallel)
     on_gpu = parallel.device == "cuda"
-    dtype = torch.bfloat16 if on_gpu else torch.float32
+    dtype = params_dtype or (torch.bfloat16 if on_gpu else torch.float32)
     return TransformerConfig(
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
@@ -65,8 +68,9 @@ def transformer_config(spec: ModelSpec, parallel: ParallelConfig):
         pipeline_model_parallel_size=parallel.pipeline_parallel,
         params_dtype=dtype,
         pipeline_dtype=dtype,
-        bf16=on_gpu,
+        bf16=dtype == torch.bfloat16,
         use_cpu_initialization=not on_gpu,
+        perform_initialization=initialize,
         # Fusions that need apex / TE kernels stay off; TE's own layers fuse on GPU.
         bias_activation_fusion=False,
         bias_dropout_fusion=False,
@@ -84,7 +88,8 @@ def transformer_config(spec: ModelSpec, parallel: ParallelConfig):
     )
 
 
-def build_model(spec: ModelSpec, parallel: ParallelConfig, *, pre_process: bool, post_process: bool):
+def build_model(spec: ModelSpec, parallel: ParallelConfig, *, pre_process: bool, post_process: bool,
+                params_dtype: torch.dtype | None = None, initialize: bool = True):
     """GPTModel for this pipeline stage; logits stay split over the vocabulary (parallel_output)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import (
@@ -92,7 +97,7 @@ def build_model(spec: ModelSpec, parallel: ParallelConfig, *, pre_process: bool,
         get_gpt_layer_with_transformer_engine_spec,
     )
 
-    config = transformer_config(spec, parallel)
+    config = transformer_config(spec, parallel, params_dtype, initialize)
     if use_transformer_engine(parallel):
         layer_spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_layernorm)
     else:

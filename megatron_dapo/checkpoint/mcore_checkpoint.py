@@ -1,0 +1,48 @@
+"""Megatron-core distributed checkpoints (dist_checkpointing) of the policy's weights.
+
+A checkpoint saved at one TP x PP layout loads at any other: dist_checkpointing reshards on load.
+Beside the tensors it keeps `megatron_dapo.json` (the layout it was saved at, the weights' dtype)
+and `hf/` (the source config.json and tokenizer files), so it converts back to Hugging Face alone.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from megatron_dapo.checkpoint.safetensors_io import CheckpointError
+
+META = "megatron_dapo.json"
+HF_SUBDIR = "hf"
+
+
+def save_model(model: torch.nn.Module, directory) -> None:
+    """Collective: every rank writes its shards of `model` into the (existing, empty) directory."""
+    from megatron.core import dist_checkpointing
+
+    dist_checkpointing.save(model.sharded_state_dict(), str(directory))
+
+
+def load_model(model: torch.nn.Module, directory) -> None:
+    """Collective: fill `model`, at whatever layout it was built, from the checkpoint."""
+    from megatron.core import dist_checkpointing
+
+    state = dist_checkpointing.load(model.sharded_state_dict(), str(directory))
+    model.load_state_dict(state)
+
+
+def write_meta(directory, *, tensor_parallel: int, pipeline_parallel: int, dtype: torch.dtype) -> None:
+    meta = {"tensor_parallel": tensor_parallel, "pipeline_parallel": pipeline_parallel,
+            "dtype": str(dtype).removeprefix("torch.")}
+    (Path(directory) / META).write_text(json.dumps(meta, indent=2))
+
+
+def read_meta(directory) -> dict:
+    path = Path(directory) / META
+    if not path.is_file():
+        raise CheckpointError(f"{directory}: not a megatron-dapo distributed checkpoint (no {META})")
+    meta = json.loads(path.read_text())
+    meta["dtype"] = getattr(torch, meta["dtype"])
+    return meta

@@ -1,0 +1,13 @@
+#!/usr/bin/env python3
+"""Convert checkpoints between Hugging Face and megatron-core (also: `megatron-dapo convert ...`).
+
+    python tools/convert_checkpoint.py hf-to-mcore --input HF_DIR --output DIR --tp N --pp M
+    python tools/convert_checkpoint.py mcore-to-hf --input DIR --output HF_DIR [--hf-config HF_DIR]
+"""
+
+import sys
+
+from megatron_dapo.checkpoint.convert import main
+
+if __name__ == "__main__":  # the workers are spawned and re-import this file
+    sys.exit(main())
