@@ -7,6 +7,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 # setup.py imports torch to build the extension, so torch goes in first; keep in step with setup.py.
 TORCH := torch==2.14.1 torchvision==0.29.1
+# Keep in step with setup.py's SGLANG_VERSION.
+SGLANG := sglang==0.5.23
 
 .PHONY: setup demo test bench test-gpu
 
@@ -18,9 +20,11 @@ $(VENV)/.deps: setup.py Makefile
 	$(PY) -m pip install $(TORCH)
 	touch $@
 
-# -v shows the compiler lines (g++ for the CPU kernels, nvcc for the CUDA ones).
+# -v shows the compiler lines (g++ for the CPU kernels, nvcc for the CUDA ones). SGLang goes in
+# without its CUDA-only dependencies (see SGLANG_CPU_DEPS in setup.py): the tests run it on the CPU.
 $(VENV)/.built: $(VENV)/.deps $(wildcard csrc/*)
-	$(PY) -m pip install --no-build-isolation -v -e '.[test]'
+	$(PY) -m pip install --no-build-isolation -v -e '.[test,sglang-cpu]'
+	$(PY) -m pip install --no-deps $(SGLANG)
 	touch $@
 
 demo: setup

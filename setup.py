@@ -76,6 +76,20 @@ def _cmdclass():
     return {"build_ext": BuildExtension}
 
 
+# sglang 0.5.23 has no CPU extra and its metadata pulls CUDA-only packages: where SGLang runs on CPUs
+# (development, CI) it is installed with --no-deps on top of these, its pure-Python and CPU needs.
+SGLANG_VERSION = "0.5.23"
+SGLANG_CPU_DEPS = [
+    "aiohttp", "anthropic>=0.20.0", "blobfile==3.0.0", "build", "compressed-tensors==0.18.0", "datasets", "distro",
+    "easydict", "einops", "fastapi", "gguf", "interegular", "IPython", "kernels>=0.14.1,<0.15",
+    "llguidance>=1.7.6,<2", "mistral_common>=1.11.5", "modelscope", "msgspec", "ninja", "numba==0.65.1", "numpy",
+    "nvidia-ml-py", "openai==2.8.0", "openai-harmony==0.0.4", "orjson", "outlines==0.1.11", "packaging",
+    "partial_json_parser", "pillow", "prometheus-client>=0.20.0", "psutil", "py-spy", "pybase64", "pydantic",
+    "python-dateutil<3", "python-multipart", "pyzmq>=25.1.2", "regex", "requests", "scipy", "sentencepiece==0.2.1",
+    "setproctitle", "smg-grpc-servicer>=0.9.0", "soundfile==0.13.1", "tiktoken", "tokenizers==0.23.2", "tqdm",
+    "transformers==5.19.0", "uvicorn>=0.51", "uvloop", "watchfiles", "xgrammar==0.2.7", "xxhash", "zstandard",
+]
+
 setup(
     name="megatron-dapo",
     version="0.1.0",
@@ -95,11 +109,15 @@ setup(
         "numpy",
         "psutil",
         "pyyaml",
+        "safetensors",
+        "tqdm",
         "transformers==5.19.0",
     ],
     extras_require={
-        "gpu": ["transformer-engine[pytorch]", "apex", "sglang[all]==0.5.23"],
-        "test": ["pytest>=8", "pytest-timeout"],
+        # NVIDIA apex is not on PyPI (the package of that name there is unrelated): build it from source.
+        "gpu": ["transformer-engine[pytorch]", f"sglang=={SGLANG_VERSION}"],
+        "sglang-cpu": SGLANG_CPU_DEPS,
+        "test": ["pytest>=8", "pytest-timeout", "safetensors"],
     },
     entry_points={"console_scripts": ["megatron-dapo=megatron_dapo.cli:main"]},
 )

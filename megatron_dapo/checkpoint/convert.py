@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from megatron_dapo.checkpoint.hf_mapping import HF_EMBEDDING, HF_FINAL_NORM
 from megatron_dapo.checkpoint.mcore_checkpoint import HF_SUBDIR, read_meta, write_meta
 from megatron_dapo.checkpoint.safetensors_io import SIDE_FILES, CheckpointError, HFCheckpoint, holds_checkpoint
 from megatron_dapo.config import ParallelConfig
@@ -115,7 +116,7 @@ def _mcore_to_hf_worker(input_dir: str, out: str, hf_dir: str, tp: int, pp: int,
 
 
 def _checkpoint_dtype(ckpt: HFCheckpoint) -> torch.dtype:
-    dtypes = {ckpt.get(n).dtype for n in ("model.embed_tokens.weight", "model.norm.weight")}
+    dtypes = {ckpt.get(n).dtype for n in (HF_EMBEDDING, HF_FINAL_NORM)}
     if len(dtypes) != 1:
         raise CheckpointError(f"{ckpt.path}: tensors of mixed dtypes {sorted(map(str, dtypes))}")
     return dtypes.pop()

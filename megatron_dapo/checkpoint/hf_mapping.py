@@ -21,6 +21,12 @@ from megatron_dapo.policy.hf_config import ModelSpec
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
+HF_EMBEDDING = "model.embed_tokens.weight"
+HF_OUTPUT = "lm_head.weight"
+HF_FINAL_NORM = "model.norm.weight"
+# Buffers some checkpoints carry that config.json already defines (the rotary frequencies).
+HF_DERIVED_SUFFIXES = ("rotary_emb.inv_freq",)
+
 # Megatron suffix inside a layer -> HF suffix inside `model.layers.{i}.` (one-to-one tensors).
 _LAYER_DIRECT = {
     "input_layernorm.weight": "input_layernorm.weight",
@@ -52,11 +58,11 @@ class MappingError(KeyError):
 def hf_names(mname: str, spec: ModelSpec) -> list[str]:
     """The HF tensors that make up the Megatron tensor `mname` (global layer numbering)."""
     if mname == "embedding.word_embeddings.weight":
-        return ["model.embed_tokens.weight"]
+        return [HF_EMBEDDING]
     if mname == "output_layer.weight":
-        return ["model.embed_tokens.weight" if spec.tie_word_embeddings else "lm_head.weight"]
+        return [HF_EMBEDDING if spec.tie_word_embeddings else HF_OUTPUT]
     if mname == "decoder.final_layernorm.weight":
-        return ["model.norm.weight"]
+        return [HF_FINAL_NORM]
     match = _LAYER.match(mname)
     if match is None:
         raise MappingError(f"no Hugging Face counterpart for Megatron tensor {mname!r}")

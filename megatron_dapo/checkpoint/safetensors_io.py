@@ -23,7 +23,14 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from megatron_dapo.checkpoint.hf_mapping import MappingError, expected_hf_names, hf_shape
+from megatron_dapo.checkpoint.hf_mapping import (
+    HF_DERIVED_SUFFIXES,
+    HF_EMBEDDING,
+    HF_OUTPUT,
+    MappingError,
+    expected_hf_names,
+    hf_shape,
+)
 from megatron_dapo.policy.hf_config import ModelSpec
 
 log = logging.getLogger(__name__)
@@ -33,7 +40,6 @@ SINGLE = "model.safetensors"
 # Files besides the weights that make a checkpoint usable by transformers and SGLang.
 SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
               "tokenizer.model", "added_tokens.json", "chat_template.jinja", "generation_config.json")
-_DERIVED = ("rotary_emb.inv_freq",)  # buffers some checkpoints carry that the config defines
 
 
 class CheckpointError(ValueError):
@@ -109,12 +115,12 @@ class HFCheckpoint:
         """Every expected tensor is there with the shape config.json implies, and nothing else is."""
         expected = expected_hf_names(spec)
         for name in self.names():
-            if name in expected or name.endswith(_DERIVED):
+            if name in expected or name.endswith(HF_DERIVED_SUFFIXES):
                 continue
-            if name == "lm_head.weight" and spec.tie_word_embeddings:
-                if not torch.equal(self.get(name), self.get("model.embed_tokens.weight")):
-                    raise CheckpointError(f"{self.path}: tie_word_embeddings is true but lm_head.weight differs from "
-                                          "model.embed_tokens.weight")
+            if name == HF_OUTPUT and spec.tie_word_embeddings:
+                if not torch.equal(self.get(name), self.get(HF_EMBEDDING)):
+                    raise CheckpointError(f"{self.path}: tie_word_embeddings is true but {HF_OUTPUT} differs from "
+                                          f"{HF_EMBEDDING}")
                 continue
             raise MappingError(f"{self.path}: tensor {name!r} is not part of a {spec.architecture} with this "
                                "config.json (unknown name, or more layers than num_hidden_layers)")
@@ -125,7 +131,7 @@ class HFCheckpoint:
                 raise MappingError(f"{self.path}: {name} has shape {self._shape[name]} but config.json implies "
                                    f"{hf_shape(name, spec)}")
         for name in self.names():
-            if name.endswith(_DERIVED):
+            if name.endswith(HF_DERIVED_SUFFIXES):
                 log.warning("%s: ignoring %s, which the config's rotary settings define", self.path, name)
 
 

@@ -52,3 +52,31 @@ def hf_response_logprobs(model, seqs):
         entropy = -(logp_all[pos].exp() * logp_all[pos]).sum(-1)
         out.append((logp, entropy))
     return out
+
+
+CORPUS = [
+    "What is 3 plus 4? Answer: 7", "Compute 12 times 3. The answer is \\boxed{36}.",
+    "If x + 2 = 5 then x = 3", "The sum of the first ten odd numbers is 100",
+    "A triangle has angles 30, 60 and 90 degrees", "Divide 81 by 9 to get 9",
+] * 40
+
+
+def save_with_tokenizer(path, kind: str = "qwen2", seed: int = 0):
+    """A tiny random model and a byte-level BPE tokenizer trained here, saved as one HF folder."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB - 4, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    model, _ = hf_model(kind, seed)
+    model.config.eos_token_id = fast.eos_token_id
+    model.config.pad_token_id = fast.pad_token_id
+    model.generation_config.eos_token_id = fast.eos_token_id
+    model.save_pretrained(path)
+    fast.save_pretrained(path)
+    return fast

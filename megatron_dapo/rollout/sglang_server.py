@@ -1,0 +1,143 @@
+"""Start, watch and stop a real SGLang server process (`python -m sglang.launch_server`).
+
+On the CPU it gets the flags SGLang's CPU path needs and the sgl_kernel stand-in on its PYTHONPATH;
+on GPUs it runs stock. It binds to 127.0.0.1 unless told otherwise, writes its log to a file, and
+runs in its own process group so stopping it stops everything it started.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+CPU_SHIM = Path(__file__).parent / "cpu_shim"
+CPU_FLAGS = ["--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend", "pytorch",
+             "--disable-overlap-schedule", "--grammar-backend", "none"]
+
+
+class ServerError(RuntimeError):
+    """The server did not start, or died; the message carries the tail of its log."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class SGLangServerConfig:
+    model_path: str
+    device: str = "cuda"  # "cuda" or "cpu"
+    host: str = "127.0.0.1"
+    port: int | None = None  # None: a free one
+    tensor_parallel: int = 1
+    dtype: str = "auto"
+    max_total_tokens: int | None = None
+    startup_timeout_s: float = 300.0
+    extra_args: list[str] = field(default_factory=list)
+
+
+def post_json(url: str, payload: dict, timeout: float) -> dict | list:
+    req = urllib.request.Request(url, data=json.dumps(payload).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        return json.loads(resp.read())
+
+
+class SGLangServer:
+    def __init__(self, config: SGLangServerConfig, log_path):
+        self.config = config
+        self.log_path = Path(log_path)
+        self.port = config.port or free_port(config.host)
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.config.host}:{self.port}"
+
+    def command(self) -> list[str]:
+        c = self.config
+        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", c.model_path, "--host", c.host,
+               "--port", str(self.port), "--tp-size", str(c.tensor_parallel), "--dtype", c.dtype]
+        if c.max_total_tokens:
+            cmd += ["--max-total-tokens", str(c.max_total_tokens)]
+        if c.device == "cpu":
+            cmd += CPU_FLAGS
+        return cmd + list(c.extra_args)
+
+    def environment(self) -> dict[str, str]:
+        env = dict(os.environ)
+        if self.config.device == "cpu":
+            env["SGLANG_USE_CPU_ENGINE"] = "1"  # without it SGLang does not take its CPU path
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (str(CPU_SHIM), env.get("PYTHONPATH")) if p)
+        return env
+
+    def start(self) -> SGLangServer:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = self.log_path.open("ab")
+        self.proc = subprocess.Popen(self.command(), env=self.environment(), stdout=log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        log.close()
+        return self
+
+    def log_tail(self, chars: int = 4000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except FileNotFoundError:
+            return ""
+
+    def healthy(self, timeout: float = 5.0) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.url}/health", timeout=timeout) as resp:
+                return resp.status == 200
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+            return False
+
+    def wait_healthy(self) -> SGLangServer:
+        deadline = time.monotonic() + self.config.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise ServerError(f"SGLang server exited with {self.proc.returncode} while starting; log "
+                                  f"{self.log_path}:\n{self.log_tail()}")
+            if self.healthy():
+                return self
+            time.sleep(1.0)
+        self.stop()
+        raise ServerError(f"SGLang server not healthy after {self.config.startup_timeout_s:.0f} s; log "
+                          f"{self.log_path}:\n{self.log_tail()}")
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        if self.proc is None:
+            return
+        group = self.proc.pid  # its own session: the group holds the scheduler and detokenizer too
+        try:
+            os.killpg(group, signal.SIGTERM)
+            self.proc.wait(timeout=grace_s)
+        except ProcessLookupError:
+            pass
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            os.killpg(group, signal.SIGKILL)  # whatever outlived the main process
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+        self.proc = None
+
+    def __enter__(self) -> SGLangServer:
+        return self.start().wait_healthy()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
