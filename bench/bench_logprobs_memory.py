@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import socket
 import sys
 import time
 
@@ -30,6 +29,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from megatron_dapo.policy.logprobs import vocab_parallel_logprobs
+from megatron_dapo.runtime import free_port
 
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
 NAIVE_FULL_COPIES = 5.0  # fp32 [tokens, vocab] buffers the naive path holds at its peak, for the fit check
@@ -129,12 +129,6 @@ def worker(rank, world, port, tokens, vocab, device, results):
     if rank == 0:
         results.put(out)
     shutdown_runtime()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def tokens_that_fit(tokens: int, vocab: int, tp: int, device: str) -> dict[str, int]:

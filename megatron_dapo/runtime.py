@@ -7,6 +7,7 @@ megatron-core CPU redirects (megatron_dapo.cpu_compat) before anything of megatr
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -15,6 +16,13 @@ import torch.distributed as dist
 
 from megatron_dapo import cpu_compat
 from megatron_dapo.config import ConfigError, ParallelConfig
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on `host` right now (for a rendezvous or a server this process starts)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 @dataclass(frozen=True)

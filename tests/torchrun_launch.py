@@ -1,20 +1,15 @@
 """Launch a worker of tests/distributed/ under torchrun (gloo on CPU) and fail with its output if it fails."""
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from megatron_dapo.runtime import free_port
+
 WORKERS = Path(__file__).parent / "distributed"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def torchrun(worker: str, nproc: int, *args: str, timeout: int = 600) -> None:

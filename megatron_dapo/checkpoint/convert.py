@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import sys
 from pathlib import Path
 
@@ -28,12 +27,7 @@ from megatron_dapo.checkpoint.safetensors_io import SIDE_FILES, CheckpointError,
 from megatron_dapo.config import ParallelConfig
 from megatron_dapo.policy.hf_config import model_spec_from_hf
 from megatron_dapo.policy.model import check_divisibility
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from megatron_dapo.runtime import free_port
 
 
 def _check_output(out: Path) -> None:
@@ -46,7 +40,7 @@ def _check_output(out: Path) -> None:
 def _run_workers(world: int, fn, *args) -> None:
     import torch.multiprocessing as mp
 
-    port = _free_port()
+    port = free_port()
     mp.start_processes(_worker_entry, args=(world, port, fn, args), nprocs=world, join=True, start_method="spawn")
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 from megatron_dapo.rollout.engine import Sample, SamplingParams
-from megatron_dapo.rollout.sglang_server import post_json
+from megatron_dapo.rollout.sglang_server import health_ok, post_json
 
 
 class SGLangEngine:
@@ -15,13 +15,7 @@ class SGLangEngine:
         self.timeout = request_timeout_s
 
     def healthy(self) -> bool:
-        import urllib.request
-
-        try:
-            with urllib.request.urlopen(f"{self.url}/health", timeout=5) as resp:
-                return resp.status == 200
-        except OSError:
-            return False
+        return health_ok(self.url)
 
     def _payload(self, prompt: list[int], n: int, params: SamplingParams) -> dict:
         sampling = {"n": n, "temperature": params.temperature, "top_p": params.top_p,

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from megatron_dapo.runtime import free_port
+
 CPU_SHIM = Path(__file__).parent / "cpu_shim"
 CPU_FLAGS = ["--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend", "pytorch",
              "--disable-overlap-schedule", "--grammar-backend", "none"]
@@ -26,12 +27,6 @@ CPU_FLAGS = ["--device", "cpu", "--attention-backend", "torch_native", "--sampli
 
 class ServerError(RuntimeError):
     """The server did not start, or died; the message carries the tail of its log."""
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -45,6 +40,14 @@ class SGLangServerConfig:
     max_total_tokens: int | None = None
     startup_timeout_s: float = 300.0
     extra_args: list[str] = field(default_factory=list)
+
+
+def health_ok(url: str, timeout: float = 5.0) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url.rstrip('/')}/health", timeout=timeout) as resp:
+            return resp.status == 200
+    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+        return False
 
 
 def post_json(url: str, payload: dict, timeout: float) -> dict | list:
@@ -96,11 +99,7 @@ class SGLangServer:
             return ""
 
     def healthy(self, timeout: float = 5.0) -> bool:
-        try:
-            with urllib.request.urlopen(f"{self.url}/health", timeout=timeout) as resp:
-                return resp.status == 200
-        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
-            return False
+        return health_ok(self.url, timeout)
 
     def wait_healthy(self) -> SGLangServer:
         deadline = time.monotonic() + self.config.startup_timeout_s

@@ -13,10 +13,8 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA d
 
 @pytest.fixture(scope="module")
 def runtime():
-    from torchrun_launch import free_port
-
     from megatron_dapo.config import ParallelConfig
-    from megatron_dapo.runtime import init_runtime, shutdown_runtime
+    from megatron_dapo.runtime import free_port, init_runtime, shutdown_runtime
 
     env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(free_port())}
