@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_dapo.checkpoint.hf_mapping import hf_names, hf_shape, hf_tensors, megatron_names, tp_dim
+from megatron_dapo.checkpoint.hf_weights import layer_offset
 from megatron_dapo.checkpoint.safetensors_io import write_hf_checkpoint
 from megatron_dapo.config import ParallelConfig
 from megatron_dapo.policy.hf_config import ModelSpec
@@ -26,7 +27,7 @@ def _owner_stage(mname: str, spec: ModelSpec, parallel: ParallelConfig) -> int:
         return 0
     if mname.startswith(_LAYER_PREFIX):
         layer = int(mname[len(_LAYER_PREFIX):].split(".", 1)[0])
-        return layer // (spec.num_layers // parallel.pipeline_parallel)
+        return layer // layer_offset(spec, parallel, 1)  # layers per stage
     return parallel.pipeline_parallel - 1  # final norm, output layer
 
 
@@ -34,7 +35,7 @@ def _local_name(mname: str, spec: ModelSpec, parallel: ParallelConfig, stage: in
     if not mname.startswith(_LAYER_PREFIX):
         return mname
     layer, rest = mname[len(_LAYER_PREFIX):].split(".", 1)
-    return f"{_LAYER_PREFIX}{int(layer) - stage * (spec.num_layers // parallel.pipeline_parallel)}.{rest}"
+    return f"{_LAYER_PREFIX}{int(layer) - layer_offset(spec, parallel, stage)}.{rest}"
 
 
 def iter_hf_tensors(model: torch.nn.Module, spec: ModelSpec, parallel: ParallelConfig) -> Iterator[tuple[str, torch.Tensor]]:
