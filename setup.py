@@ -86,7 +86,8 @@ SGLANG_CPU_DEPS = [
     "nvidia-ml-py", "openai==2.8.0", "openai-harmony==0.0.4", "orjson", "outlines==0.1.11", "packaging",
     "partial_json_parser", "pillow", "prometheus-client>=0.20.0", "psutil", "py-spy", "pybase64", "pydantic",
     "python-dateutil<3", "python-multipart", "pyzmq>=25.1.2", "regex", "requests", "scipy", "sentencepiece==0.2.1",
-    "setproctitle", "smg-grpc-servicer>=0.9.0", "soundfile==0.13.1", "tiktoken", "tokenizers==0.23.2", "tqdm",
+    "setproctitle", "sglang-router", "smg-grpc-servicer>=0.9.0", "soundfile==0.13.1", "tiktoken",
+    "tokenizers==0.23.2", "tqdm",
     "transformers==5.19.0", "uvicorn>=0.51", "uvloop", "watchfiles", "xgrammar==0.2.7", "xxhash", "zstandard",
 ]
 
@@ -106,16 +107,19 @@ setup(
         "megatron-core==0.16.1",
         "pybind11>=2.12",
         "math-verify[antlr4_13_2]>=0.8",
+        "matplotlib",
         "numpy",
         "psutil",
+        "pyarrow",
         "pyyaml",
         "safetensors",
+        "tensorboard",
         "tqdm",
         "transformers==5.19.0",
     ],
     extras_require={
         # NVIDIA apex is not on PyPI (the package of that name there is unrelated): build it from source.
-        "gpu": ["transformer-engine[pytorch]", f"sglang=={SGLANG_VERSION}"],
+        "gpu": ["transformer-engine[pytorch]", f"sglang=={SGLANG_VERSION}", "sglang-router"],
         "sglang-cpu": SGLANG_CPU_DEPS,
         "test": ["pytest>=8", "pytest-timeout", "safetensors"],
     },

@@ -1,7 +1,13 @@
-"""The inference-engine interface the trainer samples through."""
+"""The inference-engine interface the trainer samples through.
+
+An engine samples groups: n responses for each prompt. `stream` hands groups back as they complete
+(in any order), which dynamic sampling consumes, and `GroupStream.abort` cancels the groups still
+outstanding once the batch is full. `generate` is the blocking form, in prompt order.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -27,16 +33,31 @@ class SamplingParams:
 class Sample:
     """One sampled response."""
 
-    prompt_index: int
+    prompt_index: int  # position of its prompt in the list given to generate / stream
     output_ids: list[int]
     logprobs: list[float]  # the engine's log-prob of each output token
     finish_reason: str  # "stop" or "length"
     weight_version: str
 
 
+class GroupStream(Protocol):
+    """Groups (the n samples of one prompt, all with the same prompt_index) as they complete."""
+
+    def __iter__(self) -> Iterator[list[Sample]]:
+        ...
+
+    def abort(self) -> None:
+        """Cancel every group not yet handed out; iteration then ends. Safe to call more than once."""
+        ...
+
+
 class Engine(Protocol):
+    def stream(self, prompts: list[list[int]], n: int, params: SamplingParams) -> GroupStream:
+        """Start sampling n responses for each prompt (token ids); groups come back as they complete."""
+        ...
+
     def generate(self, prompts: list[list[int]], n: int, params: SamplingParams) -> list[list[Sample]]:
-        """n samples for each prompt (token ids), grouped by prompt, in prompt order."""
+        """n samples for each prompt, grouped by prompt, in prompt order (blocking)."""
         ...
 
     def healthy(self) -> bool:
