@@ -1,8 +1,12 @@
-"""Typed configuration, validated up front: every error names the bad key and says how to fix it."""
+"""Typed configuration sections, validated up front: every error names the bad key and says how to fix it.
+
+The whole run (`megatron_dapo.run_config.DapoConfig`) is assembled from these and from the sections
+owned by the algorithm and reward packages, with the DAPO paper's defaults.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 class ConfigError(ValueError):
@@ -12,6 +16,16 @@ class ConfigError(ValueError):
 def _require(ok: bool, key: str, message: str) -> None:
     if not ok:
         raise ConfigError(f"{key}: {message}")
+
+
+def _whole(value, key: str, minimum: int) -> None:
+    _require(isinstance(value, int) and not isinstance(value, bool) and value >= minimum, key,
+             f"must be a whole number >= {minimum}, got {value!r}")
+
+
+def _positive(value, key: str) -> None:
+    _require(isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0, key,
+             f"must be a number > 0, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -27,9 +41,7 @@ class ParallelConfig:
 
     def __post_init__(self):
         for key in ("tensor_parallel", "pipeline_parallel", "context_parallel", "expert_parallel"):
-            value = getattr(self, key)
-            _require(isinstance(value, int) and not isinstance(value, bool) and value >= 1, f"parallel.{key}",
-                     f"must be a whole number >= 1, got {value!r}")
+            _whole(getattr(self, key), f"parallel.{key}", 1)
         _require(self.device in ("cuda", "cpu"), "parallel.device", f"must be 'cuda' or 'cpu', got {self.device!r}")
         _require(self.context_parallel == 1, "parallel.context_parallel",
                  f"context parallelism is not supported yet, got {self.context_parallel}; set it to 1")
@@ -45,3 +57,131 @@ class ParallelConfig:
                  f"world size {world_size} is not divisible by tensor_parallel x pipeline_parallel x "
                  f"context_parallel = {self.model_parallel}; change the sizes or the number of processes")
         return world_size // self.model_parallel
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: float = 1e-6
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    distributed_optimizer: bool = True
+
+    def __post_init__(self):
+        _require(self.lr > 0, "optim.lr", f"must be > 0, got {self.lr}")
+        _require(self.warmup_steps >= 0, "optim.warmup_steps", f"must be >= 0, got {self.warmup_steps}")
+        _require(self.clip_grad >= 0, "optim.clip_grad", f"must be >= 0 (0 turns clipping off), got {self.clip_grad}")
+        _require(0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1, "optim.adam_beta1/adam_beta2",
+                 f"must be in [0, 1), got {self.adam_beta1}, {self.adam_beta2}")
+
+    def lr_at(self, step: int) -> float:
+        """Linear warmup over warmup_steps, then constant; `step` counts optimizer steps from 0."""
+        return self.lr * min(1.0, (step + 1) / self.warmup_steps) if self.warmup_steps else self.lr
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    """The clipped token-level objective, and the optional extras DAPO leaves off by default."""
+
+    eps_low: float = 0.2
+    eps_high: float = 0.28
+    dual_clip_c: float | None = None
+    log_ratio_clamp: float = 20.0
+    kl_coef: float = 0.0  # > 0: KL penalty against the frozen initial policy (DAPO drops it)
+    kl_type: str = "k3"
+    # Truncated importance sampling: weight each token by min(pi_old / pi_rollout, cap) to correct the
+    # mismatch between the inference engine's and the trainer's probabilities. None: off.
+    tis_cap: float | None = None
+
+    def __post_init__(self):
+        _require(0 <= self.eps_low < 1, "loss.eps_low", f"must be in [0, 1), got {self.eps_low}")
+        _require(self.eps_high >= 0, "loss.eps_high", f"must be >= 0, got {self.eps_high}")
+        _require(self.dual_clip_c is None or self.dual_clip_c > 1, "loss.dual_clip_c",
+                 f"must be > 1 or null (off), got {self.dual_clip_c}")
+        _positive(self.log_ratio_clamp, "loss.log_ratio_clamp")
+        _require(self.kl_coef >= 0, "loss.kl_coef", f"must be >= 0 (0 turns the KL penalty off), got {self.kl_coef}")
+        _require(self.kl_type in ("k1", "k3"), "loss.kl_type", f"must be 'k1' or 'k3', got {self.kl_type!r}")
+        _require(self.tis_cap is None or self.tis_cap >= 1, "loss.tis_cap",
+                 f"must be >= 1 or null (off), got {self.tis_cap}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str = ""  # Hugging Face folder: config.json, weights, tokenizer
+    max_tokens_per_micro_batch: int = 8192
+
+    def __post_init__(self):
+        _require(bool(self.path), "model.path", "must name a Hugging Face model folder (config.json + weights + "
+                 "tokenizer); convert other checkpoints with `megatron-dapo convert`")
+        _whole(self.max_tokens_per_micro_batch, "model.max_tokens_per_micro_batch", 1)
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    train_path: str = ""  # parquet (DAPO-Math-17K schema) or .jsonl with the same fields
+    eval_path: str | None = None
+    chat_template: bool = True  # False: the prompt's text as is (for tokenizers without a chat template)
+    max_prompt_len: int = 2048
+    seed: int = 42
+
+    def __post_init__(self):
+        _require(bool(self.train_path), "data.train_path", "must name a .parquet or .jsonl file of prompts")
+        _whole(self.max_prompt_len, "data.max_prompt_len", 1)
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    engine: str = "sglang"  # "sglang" (servers) or "local" (the policy in-process: TP = PP = 1, for demos)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    server_urls: list[str] = field(default_factory=list)  # attach to running servers; empty: start them
+    num_servers: int = 1
+    server_tensor_parallel: int = 1
+    server_device: str = "cuda"
+    server_extra_args: list[str] = field(default_factory=list)
+    server_startup_timeout_s: float = 600.0
+    max_in_flight: int = 64
+    max_server_restarts: int = 3
+    weight_sync: str = "distributed"  # "distributed" (NCCL/gloo), "tensor" (colocated), "disk"
+    weight_sync_bucket_mb: int = 512
+
+    def __post_init__(self):
+        _require(self.engine in ("sglang", "local"), "rollout.engine", f"must be 'sglang' or 'local', got {self.engine!r}")
+        _positive(self.temperature, "rollout.temperature")
+        _require(0 < self.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {self.top_p}")
+        _whole(self.num_servers, "rollout.num_servers", 1)
+        _whole(self.server_tensor_parallel, "rollout.server_tensor_parallel", 1)
+        _require(self.server_device in ("cuda", "cpu"), "rollout.server_device",
+                 f"must be 'cuda' or 'cpu', got {self.server_device!r}")
+        _whole(self.max_in_flight, "rollout.max_in_flight", 1)
+        _whole(self.max_server_restarts, "rollout.max_server_restarts", 0)
+        _require(self.weight_sync in ("distributed", "tensor", "disk"), "rollout.weight_sync",
+                 f"must be 'distributed', 'tensor' or 'disk', got {self.weight_sync!r}")
+        _whole(self.weight_sync_bucket_mb, "rollout.weight_sync_bucket_mb", 1)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 100
+    updates_per_step: int = 16  # optimizer steps per rollout step: the batch split into this many mini-batches
+    output_dir: str = "runs/dapo"
+    checkpoint_every: int = 10  # 0: only at the end
+    keep_last: int = 3
+    resume: bool = True  # continue from the latest complete checkpoint in output_dir
+    eval_every: int = 10  # 0: no evaluation
+    eval_samples_per_prompt: int = 4  # k of avg@k
+    eval_max_prompts: int = 256
+    tensorboard: bool = True
+
+    def __post_init__(self):
+        _whole(self.steps, "train.steps", 1)
+        _whole(self.updates_per_step, "train.updates_per_step", 1)
+        _require(bool(self.output_dir), "train.output_dir", "must name a folder for checkpoints and metrics")
+        _whole(self.checkpoint_every, "train.checkpoint_every", 0)
+        _whole(self.keep_last, "train.keep_last", 1)
+        _whole(self.eval_every, "train.eval_every", 0)
+        _whole(self.eval_samples_per_prompt, "train.eval_samples_per_prompt", 1)
+        _whole(self.eval_max_prompts, "train.eval_max_prompts", 1)

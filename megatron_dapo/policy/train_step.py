@@ -16,44 +16,12 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from megatron_dapo.config import ConfigError, ParallelConfig
+from megatron_dapo.config import LossConfig, OptimConfig, ParallelConfig
 from megatron_dapo.ops import STAT_NAMES, dapo_loss
 from megatron_dapo.policy.batch import MicroBatch, Sequence, check_sequences, micro_batches
 from megatron_dapo.policy.forward import is_last_stage, micro_batch_logprobs, model_forward
 from megatron_dapo.policy.hf_config import ModelSpec
 from megatron_dapo.policy.model import build_model
-
-
-@dataclass(frozen=True)
-class OptimConfig:
-    lr: float = 1e-6
-    warmup_steps: int = 20
-    weight_decay: float = 0.1
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
-    distributed_optimizer: bool = True
-
-    def __post_init__(self):
-        if not self.lr > 0:
-            raise ConfigError(f"optim.lr: must be > 0, got {self.lr}")
-        if self.warmup_steps < 0:
-            raise ConfigError(f"optim.warmup_steps: must be >= 0, got {self.warmup_steps}")
-        if self.clip_grad < 0:
-            raise ConfigError(f"optim.clip_grad: must be >= 0 (0 turns clipping off), got {self.clip_grad}")
-
-    def lr_at(self, step: int) -> float:
-        """Linear warmup over warmup_steps, then constant; `step` counts from 0."""
-        return self.lr * min(1.0, (step + 1) / self.warmup_steps) if self.warmup_steps else self.lr
-
-
-@dataclass(frozen=True)
-class LossConfig:
-    eps_low: float = 0.2
-    eps_high: float = 0.28
-    dual_clip_c: float | None = None
-    log_ratio_clamp: float = 20.0
 
 
 @dataclass(frozen=True)
@@ -63,11 +31,12 @@ class RolloutSample:
     sequence: Sequence
     old_logp: torch.Tensor  # [response_len]
     advantages: torch.Tensor  # [response_len]
-    loss_mask: torch.Tensor  # [response_len] bool
+    loss_mask: torch.Tensor  # [response_len]: bool, or fp32 per-token weights (0 = out of the loss)
+    ref_logp: torch.Tensor | None = None  # [response_len], for the optional KL penalty
 
     def __post_init__(self):
         n = self.sequence.response_len
-        for name in ("old_logp", "advantages", "loss_mask"):
+        for name in ("old_logp", "advantages", "loss_mask") + (("ref_logp",) if self.ref_logp is not None else ()):
             if getattr(self, name).shape != (n,):
                 raise ValueError(f"RolloutSample.{name}: shape {tuple(getattr(self, name).shape)}, expected ({n},) "
                                  "(one entry per response token)")
@@ -123,14 +92,17 @@ class PolicyTrainer:
         """The bare GPTModel stage (for loading weights and forward-only passes)."""
         return self.model.module
 
-    def _loss_func(self, mb: MicroBatch, old_logp, advantages, mask, logits):
+    def _loss_func(self, mb: MicroBatch, old_logp, advantages, mask, ref_logp, logits):
         logp, entropy = micro_batch_logprobs(logits, mb, self.spec.vocab_size, inplace_backward=True)
         c = self.loss_cfg
         loss, stats = dapo_loss(logp, old_logp, advantages, mask, eps_low=c.eps_low, eps_high=c.eps_high,
-                                normalizer=1.0, dual_clip_c=c.dual_clip_c, log_ratio_clamp=c.log_ratio_clamp)
-        num_tokens = mask.sum().to(torch.int)
+                                normalizer=1.0, dual_clip_c=c.dual_clip_c, log_ratio_clamp=c.log_ratio_clamp,
+                                ref_logp=ref_logp, kl_coef=c.kl_coef if ref_logp is not None else 0.0,
+                                kl_type=c.kl_type)
+        # Weighted masks (truncated IS) still count each token once in the token-level normaliser.
+        num_tokens = (mask != 0).sum().to(torch.int)
         reduced = {"stats": torch.stack(stats), "loss_sum": loss.detach().double(),
-                   "entropy_sum": torch.where(mask, entropy, 0.0).sum().double()}
+                   "entropy_sum": torch.where(mask != 0, entropy, 0.0).sum().double()}
         return loss, num_tokens, reduced
 
     def step(self, samples: list[RolloutSample]) -> StepResult:
@@ -141,14 +113,19 @@ class PolicyTrainer:
         check_sequences([s.sequence for s in samples], self.spec.max_position_embeddings)
         mbs = micro_batches([s.sequence for s in samples], self.max_tokens)
         dev = self.device
+        with_ref = self.loss_cfg.kl_coef > 0
+        if with_ref and any(s.ref_logp is None for s in samples):
+            raise ValueError("loss.kl_coef > 0 needs every RolloutSample's ref_logp (the reference policy's log-probs)")
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
             rows = [samples[i] for i in mb.sample_index]
             old = torch.cat([r.old_logp for r in rows]).to(dev, torch.float32)
             adv = torch.cat([r.advantages for r in rows]).to(dev, torch.float32)
-            mask = torch.cat([r.loss_mask for r in rows]).to(dev, torch.bool)
-            return model_forward(model, mb, dev), partial(self._loss_func, mb, old, adv, mask)
+            mask = torch.cat([r.loss_mask for r in rows]).to(dev)
+            mask = mask if mask.dtype == torch.bool else mask.float()
+            ref = torch.cat([r.ref_logp for r in rows]).to(dev, torch.float32) if with_ref else None
+            return model_forward(model, mb, dev), partial(self._loss_func, mb, old, adv, mask, ref)
 
         lr = self.optim.lr_at(self.step_count)
         for group in self.optimizer.param_groups:
