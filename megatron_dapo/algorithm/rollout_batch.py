@@ -1,0 +1,92 @@
+"""What dynamic sampling hands the trainer: scored groups of responses and the step's sampling metrics."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+
+from megatron_dapo.rollout.engine import Sample
+
+
+@dataclass(frozen=True)
+class PromptItem:
+    """One prompt to sample a group for."""
+
+    index: int  # the row's index in the dataset
+    token_ids: list[int]  # the chat-templated prompt
+    ground_truth: str
+
+
+@dataclass(frozen=True)
+class ScoredGroup:
+    """The G responses to one prompt, judged, with their rewards and group-relative advantages."""
+
+    prompt: PromptItem
+    samples: list[Sample]  # in the engine's order; each carries the engine's per-token log-probs
+    rollout_logprobs: list[torch.Tensor]  # per response, float32 [len]: the engine's log-probs (mismatch, truncated IS)
+    correct: list[bool]
+    rewards: torch.Tensor  # [G] float64: +1 / -1 plus the overlong penalty
+    advantages: torch.Tensor  # [G] float64, one per response, shared by all its tokens
+    loss_mask: torch.Tensor  # [G] bool: False for a response left out of the loss (overlong filtering)
+
+    @property
+    def num_correct(self) -> int:
+        return sum(self.correct)
+
+    @property
+    def response_lens(self) -> list[int]:
+        return [len(s.output_ids) for s in self.samples]
+
+
+@dataclass(frozen=True)
+class SamplingMetrics:
+    """How one training batch was collected. Rates over generated groups / samples; NaN when there were none."""
+
+    rounds: int  # generation rounds used
+    round_cap_hit: bool  # the batch was not full after algorithm.max_sampling_rounds
+    groups_generated: int  # groups received from the engine (aborted ones not counted)
+    groups_kept: int  # groups in the training batch
+    groups_all_correct: int  # dropped: every response right
+    groups_all_wrong: int  # dropped: every response wrong
+    groups_trimmed: int  # mixed groups left out so that the batch divides across data-parallel ranks
+    samples_generated: int
+    samples_per_kept_sample: float  # samples_generated / responses in the batch (inf if the batch is empty)
+    accuracy: float  # fraction of generated responses judged correct
+    reward_mean: float  # over generated responses, overlong penalty included
+    response_len_mean: float
+    response_len_max: int
+    truncation_rate: float  # fraction of generated responses cut off at max_response_len
+
+    @property
+    def filter_rate(self) -> float:
+        return _ratio(self.groups_all_correct + self.groups_all_wrong, self.groups_generated)
+
+    @property
+    def filter_rate_all_correct(self) -> float:
+        return _ratio(self.groups_all_correct, self.groups_generated)
+
+    @property
+    def filter_rate_all_wrong(self) -> float:
+        return _ratio(self.groups_all_wrong, self.groups_generated)
+
+    def as_dict(self) -> dict[str, float]:
+        out = {k: float(v) for k, v in asdict(self).items()}
+        out.update(filter_rate=self.filter_rate, filter_rate_all_correct=self.filter_rate_all_correct,
+                   filter_rate_all_wrong=self.filter_rate_all_wrong)
+        return out
+
+
+def _ratio(num: float, den: float) -> float:
+    return num / den if den else math.nan
+
+
+@dataclass(frozen=True)
+class RolloutBatch:
+    groups: list[ScoredGroup]  # a multiple of the data-parallel size; empty when nothing could be kept
+    metrics: SamplingMetrics
+
+    @property
+    def num_samples(self) -> int:
+        return sum(len(g.samples) for g in self.groups)
