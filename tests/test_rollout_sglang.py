@@ -75,21 +75,3 @@ def test_a_server_that_cannot_start_reports_its_log(tmp_path):
         with SGLangServer(config, tmp_path / "server.log"):
             pass
 
-
-# Last in this file: it changes the shared server's weights (and puts the originals back first).
-@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
-def test_after_a_step_and_a_disk_sync_sglang_samples_from_the_new_policy(server, tmp_path, tp, pp):
-    from megatron_dapo.rollout.sglang_server import post_json
-
-    srv, _, root = server
-    reset = post_json(f"{srv.url}/update_weights_from_disk", {"model_path": str(root / "model"), "weight_version": "0"},
-                      300)
-    assert reset["success"], reset
-    out = tmp_path / "out.json"
-    torchrun("weight_sync_worker.py", tp * pp, str(out), str(root / "model"), srv.url, str(tmp_path / "sync"),
-             str(tp), str(pp))
-    r = json.loads(out.read_text())
-    assert r["before"] < 1e-4 and r["versions_before"] == ["0"]
-    assert r["samples_after"] == 16 and r["versions_after"] == ["1"]
-    assert r["after"] < 1e-4, r
-    assert r["stale"] > 1e-3, "the step did not change the policy"

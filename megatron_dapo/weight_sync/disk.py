@@ -3,29 +3,23 @@
 Collective over the trainer's ranks. The export streams one tensor at a time to global rank 0,
 which writes the folder atomically and then asks every server to load it with
 `/update_weights_from_disk`, tagging the weights with `version` (the training step); SGLang flushes
-its cache as part of the update.
+its cache as part of the update. The folder of the previous sync is removed once a newer one is loaded.
 """
 
 from __future__ import annotations
 
+import shutil
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from megatron_dapo.checkpoint.hf_export import export_hf_checkpoint
-from megatron_dapo.rollout.sglang_server import post_json
-
-
-@dataclass
-class SyncMetrics:
-    bytes: int
-    seconds: float
-
-    @property
-    def gbps(self) -> float:
-        return self.bytes / max(self.seconds, 1e-9) / 1e9
+from megatron_dapo.config import ParallelConfig
+from megatron_dapo.policy.hf_config import ModelSpec
+from megatron_dapo.weight_sync.metrics import SyncMetrics
+from megatron_dapo.weight_sync.server_calls import call_all
 
 
 def sync_weights_via_disk(model, spec, parallel, *, server_urls: list[str], directory, version: str,
@@ -36,12 +30,32 @@ def sync_weights_via_disk(model, spec, parallel, *, server_urls: list[str], dire
     export_hf_checkpoint(model, spec, parallel, folder, hf_config=hf_config)
     metrics = None
     if dist.get_rank() == 0:
-        for url in server_urls:
-            reply = post_json(f"{url.rstrip('/')}/update_weights_from_disk",
-                              {"model_path": str(folder), "weight_version": version, "flush_cache": True}, timeout_s)
-            if not reply.get("success"):
-                raise RuntimeError(f"{url}: update_weights_from_disk failed: {reply.get('message', reply)}")
+        call_all(server_urls, "/update_weights_from_disk",
+                 {"model_path": str(folder), "weight_version": version, "flush_cache": True}, timeout_s)
         nbytes = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
         metrics = SyncMetrics(nbytes, time.perf_counter() - start)
     dist.barrier()
     return metrics
+
+
+class DiskSyncer:
+    """`sync_weights_via_disk` behind the common syncer interface."""
+
+    def __init__(self, server_urls: list[str], spec: ModelSpec, parallel: ParallelConfig, hf_config: dict,
+                 work_dir, timeout_s: float = 600.0):
+        self.urls, self.spec, self.parallel, self.hf_config = list(server_urls), spec, parallel, hf_config
+        self.work_dir, self.timeout_s = Path(work_dir), timeout_s
+        self.loaded: Path | None = None  # the folder the servers serve now
+
+    def sync(self, model: torch.nn.Module, version: str) -> SyncMetrics | None:
+        metrics = sync_weights_via_disk(model, self.spec, self.parallel, server_urls=self.urls,
+                                        directory=self.work_dir, version=version, hf_config=self.hf_config,
+                                        timeout_s=self.timeout_s)
+        folder = self.work_dir / f"weights-{version}"
+        if dist.get_rank() == 0 and self.loaded is not None and self.loaded != folder:
+            shutil.rmtree(self.loaded, ignore_errors=True)
+        self.loaded = folder
+        return metrics
+
+    def close(self) -> None:
+        """The last folder stays: the servers serve it."""

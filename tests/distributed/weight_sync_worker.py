@@ -1,7 +1,8 @@
-"""torchrun worker: one optimizer step at TP x PP, weights synced into a running SGLang server through
-disk, then new samples from the server checked against the updated policy's log-probs.
+"""torchrun worker: one optimizer step at TP x PP, then, for each weight-sync route in turn, the running
+SGLang server is put back to the original weights and synced through that route; new samples from the
+server are checked against the updated policy's log-probs.
 
-argv: OUT_JSON MODEL_DIR SERVER_URL WORK_DIR TP PP
+argv: OUT_JSON MODEL_DIR SERVER_URL WORK_DIR TP PP ROUTES (comma-separated) BUCKET_MB
 """
 
 import json
@@ -19,8 +20,9 @@ from megatron_dapo.policy.hf_config import model_spec_from_hf
 from megatron_dapo.policy.train_step import LossConfig, OptimConfig, PolicyTrainer, RolloutSample
 from megatron_dapo.rollout.engine import SamplingParams
 from megatron_dapo.rollout.sglang_engine import SGLangEngine
+from megatron_dapo.rollout.sglang_server import post_json
 from megatron_dapo.runtime import init_runtime, shutdown_runtime
-from megatron_dapo.weight_sync.disk import sync_weights_via_disk
+from megatron_dapo.weight_sync import make_weight_syncer
 
 PROMPTS = [[5, 17, 40, 33], [8, 9, 10], [60, 61, 62, 63, 64], [100, 7]]
 
@@ -36,6 +38,7 @@ def sample(url, n=4):
 
 
 def parity(trainer, spec, runtime, samples):
+    """Max |server log-prob - policy log-prob| over the samples (on the last stage; None elsewhere)."""
     seqs = [Sequence(torch.tensor(p + o), len(p)) for p, o, _, _ in samples]
     out = response_logprobs(trainer.module.eval(), seqs, vocab_size=spec.vocab_size,
                             max_positions=spec.max_position_embeddings, max_tokens_per_micro_batch=512,
@@ -47,7 +50,18 @@ def parity(trainer, spec, runtime, samples):
                for o, (_, _, lp, _) in zip(out, samples)), seqs
 
 
-def main(out_json, model_dir, url, work_dir, tp, pp):
+def reset_server(url, model_dir):
+    if dist.get_rank() == 0:
+        reply = post_json(f"{url}/update_weights_from_disk", {"model_path": model_dir, "weight_version": "0"}, 300)
+        assert reply["success"], reply
+    dist.barrier()
+
+
+def versions(samples):
+    return sorted({v for *_, v in samples})
+
+
+def main(out_json, model_dir, url, work_dir, tp, pp, routes, bucket_mb):
     from megatron.core import parallel_state
 
     parallel = ParallelConfig(tensor_parallel=int(tp), pipeline_parallel=int(pp), device="cpu", seed=3)
@@ -63,18 +77,26 @@ def main(out_json, model_dir, url, work_dir, tp, pp):
     batch = [RolloutSample(s, o, adv[i].expand(s.response_len).clone(), torch.ones(s.response_len, dtype=torch.bool))
              for i, (s, o) in enumerate(zip(seqs, old))]
     trainer.step(batch)
-    metrics = sync_weights_via_disk(trainer.module, spec, parallel, server_urls=[url], directory=work_dir,
-                                    version="1", hf_config=ckpt.config)
-    after = sample(url)
-    after_diff, _ = parity(trainer, spec, runtime, after)
     stale_diff, _ = parity(trainer, spec, runtime, before)  # the old samples against the new weights
+    result = {"before": before_diff, "stale": stale_diff, "versions_before": versions(before), "routes": {}}
+    for route in routes.split(","):
+        reset_server(url, model_dir)
+        reset = sample(url)
+        reset_diff, _ = parity(trainer, spec, runtime, reset)
+        syncer = make_weight_syncer(route, [url], spec, parallel, ckpt.config, bucket_mb=float(bucket_mb),
+                                    work_dir=f"{work_dir}/{route}")
+        metrics = syncer.sync(trainer.module, "1")
+        after = sample(url)
+        after_diff, _ = parity(trainer, spec, runtime, after)
+        syncer.close()
+        metrics = [metrics]
+        dist.broadcast_object_list(metrics, src=0)
+        result["routes"][route] = {
+            "reset": reset_diff, "versions_reset": versions(reset), "after": after_diff,
+            "versions_after": versions(after), "samples_after": len(after),
+            "bytes": metrics[0].bytes, "seconds": metrics[0].seconds}
     if parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0 \
             and parallel_state.get_data_parallel_rank() == 0:
-        result = {"before": before_diff, "after": after_diff, "stale": stale_diff,
-                  "versions_before": sorted({v for *_, v in before}), "versions_after": sorted({v for *_, v in after}),
-                  "samples_after": len(after)}
-        if metrics is not None:
-            result.update(bytes=metrics.bytes, seconds=metrics.seconds)
         with open(out_json, "w") as f:
             json.dump(result, f)
     shutdown_runtime()

@@ -1,0 +1,55 @@
+"""The SGLang admin endpoints the weight-sync routes call, on one server or on all of them at once."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from megatron_dapo.rollout.sglang_server import post_json
+
+
+class WeightUpdateError(RuntimeError):
+    """A server refused or failed a weight-update call; the message names the server and its reason."""
+
+
+def call(url: str, endpoint: str, payload: dict, timeout_s: float) -> dict:
+    """POST `payload` to `url + endpoint`; raises WeightUpdateError unless the reply says success."""
+    target = f"{url.rstrip('/')}{endpoint}"
+    try:
+        reply = post_json(target, payload, timeout_s)
+    except urllib.error.HTTPError as e:  # SGLang answers a refused update with 400 and a message
+        raise WeightUpdateError(f"{target}: HTTP {e.code}: {e.read().decode(errors='replace')[:2000]}") from None
+    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as e:
+        raise WeightUpdateError(f"{target}: server unreachable: {e}") from None
+    if isinstance(reply, dict) and reply.get("success") is False:
+        raise WeightUpdateError(f"{target}: {reply.get('message', reply)}")
+    return reply
+
+
+def call_each(pool: ThreadPoolExecutor, urls: list[str], endpoint: str, payload: Callable[[int], dict],
+              timeout_s: float) -> list[Future]:
+    """Start `endpoint` on every server (server i gets `payload(i)`); the futures raise WeightUpdateError."""
+    return [pool.submit(call, url, endpoint, payload(i), timeout_s) for i, url in enumerate(urls)]
+
+
+def call_all(urls: list[str], endpoint: str, payload: dict | Callable[[int], dict], timeout_s: float) -> None:
+    """`endpoint` on every server at once (server i gets `payload` or `payload(i)`); raises the first
+    failure after all have answered."""
+    make = payload if callable(payload) else (lambda _: payload)
+    with ThreadPoolExecutor(max_workers=len(urls)) as pool:
+        futures = call_each(pool, urls, endpoint, make, timeout_s)
+    for f in futures:
+        f.result()
+
+
+def server_tp_size(url: str, timeout_s: float = 30.0) -> int:
+    """How many tensor-parallel ranks (weight receivers) the server runs."""
+    target = f"{url.rstrip('/')}/server_info"
+    try:
+        with urllib.request.urlopen(target, timeout=timeout_s) as resp:
+            return int(json.loads(resp.read())["tp_size"])
+    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError, KeyError, ValueError) as e:
+        raise WeightUpdateError(f"{target}: cannot read the server's tp_size: {e}") from None

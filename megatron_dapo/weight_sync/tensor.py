@@ -1,0 +1,91 @@
+"""The colocated route: hand SGLang the tensors themselves through `/update_weights_from_tensor`.
+
+Global rank 0 fills a shared-memory bucket (a CUDA buffer on GPUs, shared by IPC) and POSTs only a
+pickled handle to it; the server maps the same memory and copies it into its weights, so no tensor
+data crosses HTTP. The server must run on the same machine as trainer rank 0.
+
+On the CPU, the handles need torch's "file_system" sharing strategy (the default one passes file
+descriptors with an auth key SGLang's scheduler does not hold, and the scheduler dies). The strategy
+is process-wide and starts a `torch_shm_manager` daemon that lives as long as its clients; see
+`shm_manager_pids` for ending it.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import os
+import signal
+import time
+from multiprocessing.reduction import ForkingPickler
+
+import psutil
+import torch
+import torch.distributed as dist
+import torch.multiprocessing  # noqa: F401  (registers the tensor reductions ForkingPickler uses)
+
+from megatron_dapo.config import ParallelConfig
+from megatron_dapo.policy.hf_config import ModelSpec
+from megatron_dapo.weight_sync.buckets import iter_hf_buckets, plain_buffer
+from megatron_dapo.weight_sync.metrics import SyncMetrics
+from megatron_dapo.weight_sync.server_calls import call_all, server_tp_size
+
+
+def shared_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
+    """A bucket buffer another process on this machine can map."""
+    if device.type == "cpu":
+        return torch.empty(nbytes, dtype=torch.uint8).share_memory_()
+    return plain_buffer(nbytes, device)  # CUDA tensors travel as IPC handles as they are
+
+
+def serialize(named_tensors: list[tuple[str, torch.Tensor]]) -> str:
+    """The handles of the tensors, as SGLang's scheduler unpickles them (base64 for JSON)."""
+    buf = io.BytesIO()
+    ForkingPickler(buf).dump(named_tensors)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def shm_manager_pids() -> list[int]:
+    """The torch_shm_manager daemons this process started (CPU sharing), for a clean shutdown."""
+    me = psutil.Process()
+    return [p.pid for p in me.children(recursive=True) if p.name() == "torch_shm_manager"]
+
+
+class TensorSyncer:
+    """Collective over the trainer's ranks; only global rank 0 talks to the servers."""
+
+    def __init__(self, server_urls: list[str], spec: ModelSpec, parallel: ParallelConfig, bucket_bytes: int,
+                 timeout_s: float = 600.0):
+        self.urls, self.spec, self.parallel = list(server_urls), spec, parallel
+        self.bucket_bytes, self.timeout_s = bucket_bytes, timeout_s
+        self.tp_sizes = [server_tp_size(u) for u in self.urls] if dist.get_rank() == 0 else []
+        if parallel.device == "cpu":
+            torch.multiprocessing.set_sharing_strategy("file_system")
+
+    def sync(self, model: torch.nn.Module, version: str) -> SyncMetrics | None:
+        start = time.perf_counter()
+        rank0 = dist.get_rank() == 0
+        nbytes = 0
+        if rank0:
+            call_all(self.urls, "/begin_weight_update", {}, self.timeout_s)
+        try:
+            for bucket in iter_hf_buckets(model, self.spec, self.parallel, self.bucket_bytes, shared_buffer):
+                named = bucket.named_tensors()
+                # One pickle per receiving rank: each unpickling takes back the reference its pickling added.
+                payloads = [{"serialized_named_tensors": [serialize(named) for _ in range(tp)],
+                             "flush_cache": bucket.last, "weight_version": version if bucket.last else None}
+                            for tp in self.tp_sizes]
+                call_all(self.urls, "/update_weights_from_tensor", lambda i: payloads[i], self.timeout_s)
+                nbytes += bucket.nbytes
+        finally:
+            if rank0:
+                call_all(self.urls, "/end_weight_update", {}, self.timeout_s)
+        dist.barrier()
+        return SyncMetrics(nbytes, time.perf_counter() - start) if rank0 else None
+
+    def close(self) -> None:
+        """End the shared-memory manager the CPU handles started (the bucket buffer died with the sync,
+        and the servers keep what they copied); left running it would outlive this process."""
+        if self.parallel.device == "cpu" and dist.get_rank() == 0:
+            for pid in shm_manager_pids():
+                os.kill(pid, signal.SIGTERM)
