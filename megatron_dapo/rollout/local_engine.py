@@ -1,0 +1,240 @@
+"""An Engine that samples from the live Megatron policy in-process: no server, no weight sync.
+
+It runs the very GPTModel the trainer updates, so samples always come from the current weights;
+`weight_version` is whatever the trainer last set (the step). Meant for the embedded CPU demo and
+for debugging, at tensor = pipeline parallel = 1 (larger layouts sample through SGLang).
+
+All prompts x n rows are decoded together with megatron-core's static KV cache
+(StaticInferenceContext). Rows are left-aligned, so token i of every row sits at rotary position i
+and the causal mask is all the masking needed: the cache is filled up to the shortest prompt, then
+one position per step for every row, a row taking its own prompt token where it still has one and
+a sampled token after. Finished rows are dropped from the batch (and the cache) as they pile up.
+At most max_batch_rows rows (whole groups) share one cache; more prompts are decoded batch after
+batch. Samples are drawn from the engine's own torch.Generator, seeded once: the same seed and the
+same requests give the same samples.
+
+Log-probs: each token's log-prob under the policy's temperature-1 distribution, log_softmax(logits)
+over the true vocabulary: the quantity policy.forward.response_logprobs recomputes, whatever the
+sampling temperature and top_p. SGLang by default returns log_softmax(logits / temperature) (before
+top_p); with SGLANG_RETURN_ORIGINAL_LOGPROB=1 in the server's environment it returns this same
+quantity. The two agree at temperature 1 (and in greedy decoding).
+
+Stopping follows SGLang: a token in stop_token_ids or the model's EOS ids ends a row with "stop"
+(the token is kept, with its log-prob); ignore_eos turns off both; max_new_tokens, or the model's
+max_position_embeddings, ends it with "length". A temperature below 1e-6 decodes greedily.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from megatron_dapo.config import ConfigError
+from megatron_dapo.rollout.engine import Sample, SamplingParams
+
+GREEDY_TEMPERATURE = 1e-6  # below it, argmax (as SGLang does)
+COMPACT_FRACTION = 0.25  # drop finished rows once they are this share of the batch
+
+
+def hf_eos_token_ids(hf_config: dict) -> list[int]:
+    """The EOS ids of a Hugging Face config.json (`eos_token_id`: an int or a list)."""
+    eos = hf_config.get("eos_token_id")
+    if eos is None:
+        raise ConfigError("eos_token_id: missing from the model's config.json; set it, or the local engine cannot "
+                          "tell where a response ends")
+    return [int(e) for e in (eos if isinstance(eos, list) else [eos])]
+
+
+class LocalEngine:
+    """Engine over an in-process policy stage (a GPTModel, or it wrapped in megatron's DDP)."""
+
+    def __init__(self, model: torch.nn.Module, *, vocab_size: int, max_positions: int,
+                 eos_token_ids: Sequence[int], device: torch.device, seed: int = 0, max_batch_rows: int = 256,
+                 weight_version: str = "0"):
+        from megatron.core import parallel_state
+
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        pp = parallel_state.get_pipeline_model_parallel_world_size()
+        if tp != 1 or pp != 1:
+            raise ConfigError(f"rollout.engine: 'local' samples in-process and needs tensor_parallel = "
+                              f"pipeline_parallel = 1, the policy has TP={tp} x PP={pp}; use rollout.engine: "
+                              "'sglang' for a parallel policy")
+        if max_batch_rows < 1:
+            raise ValueError(f"max_batch_rows: must be >= 1, got {max_batch_rows}")
+        self.model = model
+        self.vocab_size = vocab_size
+        self.max_positions = max_positions
+        self.eos_token_ids = [int(e) for e in eos_token_ids]
+        self.device = device
+        self.max_batch_rows = max_batch_rows
+        self.weight_version = weight_version  # the trainer sets it after each step
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+
+    def healthy(self) -> bool:
+        return True  # nothing out of process that could have died
+
+    def stream(self, prompts: list[list[int]], n: int, params: SamplingParams) -> LocalGroupStream:
+        self._check(prompts, n)
+        return LocalGroupStream(self, prompts, n, params, self.weight_version)
+
+    def generate(self, prompts: list[list[int]], n: int, params: SamplingParams) -> list[list[Sample]]:
+        groups = {group[0].prompt_index: group for group in self.stream(prompts, n, params)}
+        return [groups[i] for i in range(len(prompts))]
+
+    def _check(self, prompts: list[list[int]], n: int) -> None:
+        if n < 1:
+            raise ValueError(f"n: must be >= 1 sample per prompt, got {n}")
+        for i, p in enumerate(prompts):
+            if not 1 <= len(p) < self.max_positions:
+                raise ValueError(f"prompt {i}: {len(p)} tokens; a prompt needs 1 to {self.max_positions - 1} tokens "
+                                 "(the model's max_position_embeddings minus one to answer in)")
+            if min(p) < 0 or max(p) >= self.vocab_size:
+                raise ValueError(f"prompt {i}: token ids must be in [0, {self.vocab_size}), got {min(p)}..{max(p)}")
+
+    @contextlib.contextmanager
+    def _eval_mode(self):
+        """megatron uses the KV cache only in eval mode; the model is back in its own mode whenever the caller
+        has control."""
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            yield
+        finally:
+            self.model.train(was_training)
+
+    @torch.no_grad()
+    def _logits(self, tokens: torch.Tensor, start: int, context) -> torch.Tensor:
+        """Next-token logits [rows, vocab] after feeding tokens [rows, k] at positions start..start+k-1."""
+        positions = torch.arange(start, start + tokens.shape[1], device=self.device).expand_as(tokens)
+        logits = self.model(tokens, positions, None, inference_context=context, runtime_gather_output=True)
+        context.increment_sequence_len_offset(tokens.shape[1])
+        return logits[:, -1, : self.vocab_size].float()  # the columns past the vocabulary are TP padding
+
+    def _sample(self, logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+        """(token, its temperature-1 log-prob) per row."""
+        logp = torch.log_softmax(logits, dim=-1)
+        if params.temperature < GREEDY_TEMPERATURE:
+            token = logits.argmax(dim=-1)
+        else:
+            probs = torch.softmax(logits / params.temperature, dim=-1)
+            if params.top_p < 1:
+                # Keep the most likely tokens until their mass reaches top_p (SGLang's rule).
+                sorted_probs, order = probs.sort(dim=-1, descending=True)
+                cut = (sorted_probs.cumsum(dim=-1) - sorted_probs) > params.top_p
+                probs = torch.zeros_like(probs).scatter_(1, order, sorted_probs.masked_fill(cut, 0.0))
+            token = torch.multinomial(probs, 1, generator=self.generator).squeeze(1)
+        return token, logp.gather(1, token[:, None]).squeeze(1)
+
+    def _decode(self, prompts: list[list[int]], n: int, params: SamplingParams,
+                should_stop: Callable[[], bool]) -> Iterator[FinishedRow]:
+        """Decode n rows per prompt together (row r is sample r % n of prompt r // n); rows as they finish."""
+        batch = _DecodeBatch(self, prompts, n, params)
+        while not batch.done and not should_stop():
+            with self._eval_mode():
+                finished = batch.advance(should_stop)
+            yield from finished
+
+
+@dataclass(frozen=True)
+class FinishedRow:
+    row: int
+    output_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+
+
+class _DecodeBatch:
+    """The rows decoded together, their tokens so far and their KV cache."""
+
+    def __init__(self, engine: LocalEngine, prompts: list[list[int]], n: int, params: SamplingParams):
+        from megatron.core.inference.contexts import StaticInferenceContext
+
+        self.engine, self.params = engine, params
+        dev = engine.device
+        self.prompt_len = torch.tensor([len(p) for p in prompts], device=dev).repeat_interleave(n)
+        total = min(int(self.prompt_len.max()) + params.max_new_tokens, engine.max_positions)
+        padded = torch.zeros(len(prompts), total, dtype=torch.long)
+        for i, p in enumerate(prompts):
+            padded[i, : len(p)] = torch.tensor(p)
+        self.tokens = padded.repeat_interleave(n, dim=0).to(dev)  # [rows, total]: prompt left-aligned, then samples
+        self.logps = torch.zeros(self.tokens.shape, device=dev)  # at the position of each sampled token
+        ends = [] if params.ignore_eos else sorted({*params.stop_token_ids, *engine.eos_token_ids})
+        self.stop_ids = torch.tensor(ends, dtype=torch.long, device=dev)
+        self.last = torch.clamp(self.prompt_len + params.max_new_tokens, max=total) - 1  # last position per row
+        self.context = StaticInferenceContext(len(self.tokens), total)
+        self.active = torch.arange(len(self.tokens), device=dev)  # the rows in the KV cache, in its order
+        self.live = torch.ones(len(self.tokens), dtype=torch.bool, device=dev)  # of those, the unfinished ones
+        self.t = int(self.prompt_len.min())  # the position filled next
+        self.logits: torch.Tensor | None = None  # next-token logits of the active rows
+        self.done = False
+
+    def advance(self, should_stop: Callable[[], bool]) -> list[FinishedRow]:
+        """Decode positions until some rows finish, all are done, or should_stop() is true."""
+        if self.logits is None:
+            self.logits = self.engine._logits(self.tokens[:, : self.t], 0, self.context)
+        while not should_stop():
+            finished = self._step()
+            if finished or self.done:
+                return finished
+        return []
+
+    def _step(self) -> list[FinishedRow]:
+        t, active = self.t, self.active
+        token, logp = self.engine._sample(self.logits, self.params)
+        sampled = t >= self.prompt_len[active]  # rows past their prompt; the others take their prompt token
+        self.tokens[active, t] = torch.where(sampled, token, self.tokens[active, t])
+        self.logps[active, t] = logp
+        stopped = sampled & torch.isin(token, self.stop_ids)
+        done = self.live & (stopped | (sampled & (t == self.last[active])))
+        finished = []
+        for i in done.nonzero().flatten().tolist():
+            r = int(active[i])
+            response = slice(int(self.prompt_len[r]), t + 1)
+            finished.append(FinishedRow(r, self.tokens[r, response].tolist(), self.logps[r, response].tolist(),
+                                        "stop" if stopped[i] else "length"))
+        self.live &= ~done
+        self.t += 1
+        if not bool(self.live.any()):
+            self.done = True
+            return finished
+        if int((~self.live).sum()) >= COMPACT_FRACTION * len(active):
+            keep = self.live.nonzero().flatten()
+            self.active, self.live = active[keep], self.live[keep]
+            self.context.key_value_memory_dict = {layer: (k[:, keep], v[:, keep])
+                                                  for layer, (k, v) in self.context.key_value_memory_dict.items()}
+        self.logits = self.engine._logits(self.tokens[self.active, t : t + 1], t, self.context)
+        return finished
+
+
+class LocalGroupStream:
+    """Groups from a LocalEngine as their last sample finishes; decoding happens while iterating."""
+
+    def __init__(self, engine: LocalEngine, prompts: list[list[int]], n: int, params: SamplingParams,
+                 weight_version: str):
+        self.engine, self.prompts, self.n, self.params = engine, prompts, n, params
+        self.weight_version = weight_version
+        self.aborted = False
+
+    def abort(self) -> None:
+        self.aborted = True
+
+    def __iter__(self) -> Iterator[list[Sample]]:
+        # Whole groups per batch of rows, so each group completes inside one batch.
+        per_batch = max(1, self.engine.max_batch_rows // self.n)
+        for first in range(0, len(self.prompts), per_batch):
+            pending: dict[int, list[Sample | None]] = {}
+            for row in self.engine._decode(self.prompts[first : first + per_batch], self.n, self.params,
+                                           lambda: self.aborted):
+                p = first + row.row // self.n
+                group = pending.setdefault(p, [None] * self.n)
+                group[row.row % self.n] = Sample(p, row.output_ids, row.logprobs, row.finish_reason,
+                                                 self.weight_version)
+                if None not in group:
+                    if self.aborted:
+                        return
+                    yield pending.pop(p)
+            if self.aborted:
+                return

@@ -1,0 +1,216 @@
+"""The in-process engine: samples from the live Megatron policy (TP = PP = 1, gloo world of one)."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torchrun_launch import torchrun
+
+sys.path.insert(0, str(Path(__file__).parent / "distributed"))
+from tiny_models import VOCAB, hf_model  # noqa: E402
+
+from megatron_dapo.config import ConfigError, ParallelConfig  # noqa: E402
+from megatron_dapo.rollout.engine import SamplingParams  # noqa: E402
+from megatron_dapo.rollout.local_engine import LocalEngine, hf_eos_token_ids  # noqa: E402
+
+EOS = [7]
+PROMPT_LENGTHS = (3, 11, 6, 1, 17)
+
+
+@pytest.fixture(scope="module")
+def policy():
+    """(megatron stage, its spec, runtime, the transformers model with the same weights)."""
+    from megatron_dapo.checkpoint.hf_weights import load_hf_weights
+    from megatron_dapo.policy.hf_config import model_spec_from_hf
+    from megatron_dapo.policy.model import build_model
+    from megatron_dapo.runtime import free_port, init_runtime, shutdown_runtime
+
+    parallel = ParallelConfig(device="cpu")
+    env = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    runtime = init_runtime(parallel, environ=env)
+    hf, cfg = hf_model("qwen2", seed=2)
+    spec = model_spec_from_hf(cfg)
+    model = build_model(spec, parallel, pre_process=True, post_process=True)
+    load_hf_weights(model, hf.state_dict().__getitem__, spec, parallel)
+    yield model, spec, runtime, hf
+    shutdown_runtime()
+
+
+def make_engine(policy, seed=0, **kwargs):
+    model, spec, runtime, _ = policy
+    return LocalEngine(model, vocab_size=spec.vocab_size, max_positions=spec.max_position_embeddings,
+                       eos_token_ids=kwargs.pop("eos", EOS), device=runtime.device, seed=seed, **kwargs)
+
+
+def prompts(lengths=PROMPT_LENGTHS, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lengths]
+
+
+def as_sequences(ps, samples):
+    from megatron_dapo.policy.batch import Sequence
+
+    return [Sequence(torch.tensor(ps[s.prompt_index] + s.output_ids), len(ps[s.prompt_index])) for s in samples]
+
+
+def recomputed_logprobs(policy, ps, samples, model=None):
+    from megatron_dapo.policy.forward import response_logprobs
+
+    _, spec, runtime, _ = policy
+    model = model or policy[0]
+    seqs = as_sequences(ps, samples)
+    model.eval()
+    out = response_logprobs(model, seqs, vocab_size=spec.vocab_size, max_positions=spec.max_position_embeddings,
+                            max_tokens_per_micro_batch=1024, device=runtime.device)
+    model.train()
+    return [o[0] for o in out]
+
+
+@pytest.mark.parametrize("temperature,top_p,max_batch_rows", [(1.0, 1.0, 256), (0.7, 0.9, 256), (1.0, 1.0, 8)])
+def test_logprobs_equal_the_policy_recomputing_the_samples(policy, temperature, top_p, max_batch_rows):
+    """Temperature-1 log-probs of the sampled tokens, whatever the sampling temperature; rows of different prompt
+    lengths, rows dropped from the KV cache as they stop, and batches of rows smaller than the request."""
+    ps = prompts()
+    engine = make_engine(policy, max_batch_rows=max_batch_rows, eos=list(range(0, VOCAB, 29)))
+    groups = engine.generate(ps, 4, SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=24))
+    assert [len(g) for g in groups] == [4] * len(ps)
+    assert all(s.prompt_index == i for i, g in enumerate(groups) for s in g)
+    samples = [s for g in groups for s in g]
+    assert {s.finish_reason for s in samples} == {"stop", "length"}  # some rows left the batch early
+    assert len({tuple(s.output_ids) for s in samples}) > len(ps)
+    for s, ref in zip(samples, recomputed_logprobs(policy, ps, samples)):
+        assert len(s.logprobs) == len(s.output_ids) == ref.numel()
+        assert (torch.tensor(s.logprobs, dtype=torch.float64) - ref.double()).abs().max() < 1e-5
+
+
+def test_samples_come_from_the_weights_the_trainer_just_updated(policy):
+    """The engine over the trainer's DDP-wrapped model: after an optimizer step, no sync, the new policy samples."""
+    from megatron_dapo.checkpoint.hf_weights import load_hf_weights
+    from megatron_dapo.config import LossConfig, OptimConfig
+    from megatron_dapo.policy.train_step import PolicyTrainer, RolloutSample
+
+    _, spec, runtime, hf = policy
+    parallel = ParallelConfig(device="cpu")
+    trainer = PolicyTrainer(spec, parallel, runtime.device, OptimConfig(lr=1e-2, warmup_steps=0), LossConfig(), 2048)
+    load_hf_weights(trainer.module, hf.state_dict().__getitem__, spec, parallel)
+    engine = LocalEngine(trainer.model, vocab_size=spec.vocab_size, max_positions=spec.max_position_embeddings,
+                         eos_token_ids=EOS, device=runtime.device)
+    ps, params = prompts(), SamplingParams(max_new_tokens=12)
+    before = [s for g in engine.generate(ps, 2, params) for s in g]
+    trainer.step([RolloutSample(seq, torch.tensor(s.logprobs), torch.full((seq.response_len,), 1.0 - 2 * (i % 2)),
+                                torch.ones(seq.response_len, dtype=torch.bool))
+                  for i, (s, seq) in enumerate(zip(before, as_sequences(ps, before)))])
+    engine.weight_version = "1"
+    after = [s for g in engine.generate(ps, 2, params) for s in g]
+    assert {s.weight_version for s in after} == {"1"}
+    for s, ref in zip(after, recomputed_logprobs(policy, ps, after, trainer.module)):
+        assert (torch.tensor(s.logprobs, dtype=torch.float64) - ref.double()).abs().max() < 1e-5
+    stale = max((torch.tensor(s.logprobs) - ref).abs().max().item()
+                for s, ref in zip(before, recomputed_logprobs(policy, ps, before, trainer.module)))
+    assert stale > 1e-3, "the step did not change the policy"
+
+
+@torch.no_grad()
+def hf_greedy(hf, prompt, steps):
+    ids = torch.tensor([prompt])
+    for _ in range(steps):
+        ids = torch.cat([ids, hf(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return ids[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("temperature", [1e-4, 1e-7])  # sampled from a near one-hot distribution; argmax
+def test_low_temperature_decodes_like_transformers_argmax(policy, temperature):
+    hf = policy[3]
+    ps = prompts(seed=5)
+    groups = make_engine(policy).generate(ps, 2, SamplingParams(temperature=temperature, max_new_tokens=20,
+                                                                ignore_eos=True))
+    for p, group in zip(ps, groups):
+        expected = hf_greedy(hf, p, 20)
+        assert [s.output_ids for s in group] == [expected, expected]
+        assert all(s.finish_reason == "length" for s in group)
+
+
+def test_stop_tokens_eos_and_max_new_tokens(policy):
+    stop_ids, eos = list(range(1, VOCAB, 23)), list(range(2, VOCAB, 23))
+    ends = set(stop_ids) | set(eos)
+    engine = make_engine(policy, seed=1, eos=eos)
+    groups = engine.generate(prompts(), 8, SamplingParams(max_new_tokens=15, stop_token_ids=stop_ids))
+    samples = [s for g in groups for s in g]
+    for s in samples:
+        assert not ends & set(s.output_ids[:-1])
+        if s.finish_reason == "stop":
+            assert s.output_ids[-1] in ends and len(s.output_ids) <= 15
+        else:
+            assert s.finish_reason == "length" and len(s.output_ids) == 15 and s.output_ids[-1] not in ends
+    last = {s.output_ids[-1] for s in samples if s.finish_reason == "stop"}
+    assert last & set(stop_ids) and last & set(eos)  # both kinds of end were seen
+    assert any(s.finish_reason == "length" for s in samples)
+
+    fixed = engine.generate(prompts(), 8, SamplingParams(max_new_tokens=15, stop_token_ids=stop_ids, ignore_eos=True))
+    assert all(len(s.output_ids) == 15 and s.finish_reason == "length" for g in fixed for s in g)
+
+
+def test_responses_end_at_the_models_max_positions(policy):
+    max_pos = policy[1].max_position_embeddings
+    ps = prompts(lengths=(max_pos - 3, 4))
+    groups = make_engine(policy).generate(ps, 2, SamplingParams(max_new_tokens=10, ignore_eos=True))
+    assert [len(s.output_ids) for s in groups[0]] == [3, 3] and [len(s.output_ids) for s in groups[1]] == [10, 10]
+    assert all(s.finish_reason == "length" for g in groups for s in g)
+
+
+def test_same_seed_same_samples_and_the_set_weight_version(policy):
+    params = SamplingParams(max_new_tokens=12)
+    a = make_engine(policy, seed=11)
+    a.weight_version = "7"
+    first = a.generate(prompts(), 3, params)
+    second = make_engine(policy, seed=11).generate(prompts(), 3, params)
+    other = make_engine(policy, seed=12).generate(prompts(), 3, params)
+    ids = [[s.output_ids for s in g] for g in first]
+    assert ids == [[s.output_ids for s in g] for g in second]
+    assert ids != [[s.output_ids for s in g] for g in other]
+    assert {s.weight_version for g in first for s in g} == {"7"}
+    assert {s.weight_version for g in second for s in g} == {"0"}
+
+
+def test_stream_hands_out_whole_groups_and_abort_ends_it(policy):
+    model = policy[0]
+    model.train()
+    engine = make_engine(policy, eos=list(range(0, VOCAB, 17)))
+    stream = engine.stream(prompts(), 4, SamplingParams(max_new_tokens=30))
+    it = iter(stream)
+    group = next(it)
+    assert len(group) == 4 and len({s.prompt_index for s in group}) == 1
+    stream.abort()
+    stream.abort()
+    assert list(it) == []
+    assert model.training  # sampling switched to eval mode only for its own forwards
+
+    untouched = engine.stream(prompts(), 4, SamplingParams(max_new_tokens=30))
+    untouched.abort()
+    assert list(untouched) == []
+    complete = list(engine.stream(prompts(), 4, SamplingParams(max_new_tokens=30)))
+    assert sorted(g[0].prompt_index for g in complete) == list(range(len(PROMPT_LENGTHS)))
+
+
+def test_bad_requests_are_refused_by_name(policy):
+    engine = make_engine(policy)
+    params = SamplingParams(max_new_tokens=4)
+    with pytest.raises(ValueError, match="n: must be >= 1"):
+        engine.generate(prompts(), 0, params)
+    with pytest.raises(ValueError, match="prompt 1: 0 tokens"):
+        engine.generate([[1, 2], []], 1, params)
+    with pytest.raises(ValueError, match=r"prompt 0: token ids must be in \[0, 300\)"):
+        engine.generate([[1, VOCAB]], 1, params)
+    with pytest.raises(ValueError, match="prompt 0: 96 tokens"):
+        engine.generate([[1] * 96], 1, params)
+    with pytest.raises(ConfigError, match="eos_token_id"):
+        hf_eos_token_ids({"vocab_size": VOCAB})
+    assert hf_eos_token_ids({"eos_token_id": [3, 4]}) == [3, 4] and hf_eos_token_ids({"eos_token_id": 5}) == [5]
+
+
+@pytest.mark.slow
+def test_a_tensor_parallel_policy_is_refused(tmp_path):
+    torchrun("local_engine_worker.py", 2, str(tmp_path / "out.txt"))
+    message = (tmp_path / "out.txt").read_text()
+    assert "rollout.engine" in message and "TP=2" in message and "sglang" in message
