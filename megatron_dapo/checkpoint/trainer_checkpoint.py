@@ -1,0 +1,295 @@
+"""Checkpoints of a training run, for an exact resume.
+
+A checkpoint is one folder, ROOT/step_000123/, holding
+  model/               the policy's weights (megatron-core dist_checkpointing, loads at any TP x PP;
+                       tools/convert_checkpoint.py mcore-to-hf turns it into a Hugging Face folder)
+  optimizer/           the distributed optimizer's state, in megatron-core's fully reshardable format
+  rng/rank_00000.pt    each rank's RNG states: python, numpy, torch (CPU, and CUDA on GPUs), megatron's tracker
+  trainer_state.json   the step, the model's shape, the layout, and the caller's `extra`
+  COMPLETE             written last
+It is written as step_000123.tmp/ and renamed when complete, so a crash leaves the earlier
+checkpoints and a leftover that `latest_checkpoint` ignores. Save and load are collective over all
+trainer ranks; rank 0 alone writes the shared files and renames.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron_dapo.checkpoint.mcore_checkpoint import load_model, save_model, write_meta
+from megatron_dapo.checkpoint.safetensors_io import CheckpointError
+from megatron_dapo.config import ConfigError
+
+log = logging.getLogger(__name__)
+
+FORMAT = 1
+MARKER = "COMPLETE"
+STATE_FILE = "trainer_state.json"
+MODEL_DIR, OPTIMIZER_DIR, RNG_DIR = "model", "optimizer", "rng"
+_NAME = re.compile(r"step_(\d+)")
+# Gathers the optimizer state into model-shaped tensors: a checkpoint loads at another TP x PP x DP.
+_OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable"}
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step_{step:06d}"
+
+
+def complete_checkpoints(root) -> list[Path]:
+    """The complete checkpoints under `root`, oldest first (.tmp leftovers and unmarked folders left out)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    for path in root.iterdir():
+        match = _NAME.fullmatch(path.name)
+        if match and path.is_dir() and (path / MARKER).is_file():
+            found.append((int(match.group(1)), path))
+    return [path for _, path in sorted(found)]
+
+
+def latest_checkpoint(root) -> Path | None:
+    """The newest complete checkpoint under `root`, or None when there is none."""
+    found = complete_checkpoints(root)
+    return found[-1] if found else None
+
+
+def prune_checkpoints(root, keep_last: int) -> list[Path]:
+    """Delete all but the newest `keep_last` complete checkpoints; returns the deleted folders."""
+    old = complete_checkpoints(root)[:-keep_last]
+    for path in old:
+        shutil.rmtree(path)
+    return old
+
+
+def _layout() -> dict:
+    from megatron.core import parallel_state
+
+    return {"tensor_parallel": parallel_state.get_tensor_model_parallel_world_size(),
+            "pipeline_parallel": parallel_state.get_pipeline_model_parallel_world_size(),
+            "data_parallel": parallel_state.get_data_parallel_world_size(),
+            "world_size": dist.get_world_size()}
+
+
+def _optimizer(trainer):
+    """The trainer's one megatron optimizer (get_megatron_optimizer wraps it in a ChainedOptimizer)."""
+    opts = list(getattr(trainer.optimizer, "chained_optimizers", [trainer.optimizer]))
+    if len(opts) != 1:
+        raise CheckpointError(f"optimizer: {len(opts)} chained optimizers (expert layers?); trainer checkpoints "
+                              "support the dense models' single optimizer")
+    return opts[0]
+
+
+def _is_distributed(opt) -> bool:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    return isinstance(opt, DistributedOptimizer)
+
+
+def _allocate_torch_adam_state(opt) -> None:
+    """megatron-core's distributed optimizer reads torch Adam's per-parameter `step` whenever it builds
+    a sharded state dict, so an optimizer that has not stepped yet needs its state allocated first."""
+    inner = opt.optimizer
+    if not isinstance(inner, torch.optim.Adam):
+        return  # TE / apex FusedAdam keep the step in the param groups
+    for group in inner.param_groups:
+        for p in group["params"]:
+            if not inner.state[p]:
+                inner.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
+                                  "exp_avg_sq": torch.zeros_like(p)}
+
+
+def _optimizer_sharded_state(trainer, is_loading: bool):
+    opt = _optimizer(trainer)
+    if _is_distributed(opt):
+        _allocate_torch_adam_state(opt)
+    return opt.sharded_state_dict(trainer.module.sharded_state_dict(), is_loading=is_loading,
+                                  metadata=_OPTIMIZER_FORMAT)
+
+
+def _load_optimizer(trainer, state: dict) -> None:
+    """load_state_dict, but for the distributed optimizer with torch Adam's `step` handled: megatron-core
+    0.16 expects a `step` among the loaded per-parameter tensors (it is not there: it lives in the param
+    groups) and gives every parameter one shared step tensor, which Adam would then advance once per
+    parameter. So: common state and step first, tensors without `step`, then a step per parameter."""
+    opt = _optimizer(trainer)
+    if not _is_distributed(opt):
+        opt.load_state_dict(state)
+        return
+    state = dict(state)
+    param_state = state.pop("param_state")
+    state.pop("param_state_sharding_type")
+    opt.load_state_dict(state)
+    inner = opt.optimizer.state
+    steps = {p: s.pop("step") for p, s in inner.items() if "step" in s}
+    try:
+        with torch.no_grad():
+            opt.load_parameter_state_from_fully_reshardable(param_state)
+    finally:
+        for p, step in steps.items():
+            inner[p]["step"] = step.clone()
+
+
+def _rng_state(on_gpu: bool) -> dict:
+    from megatron.core import tensor_parallel
+
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {"python": random.getstate(), "numpy": (name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss,
+                                                    cached),
+             "torch": torch.get_rng_state(), "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
+    if on_gpu:
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict, on_gpu: bool) -> None:
+    from megatron.core import tensor_parallel
+
+    random.setstate(state["python"])
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if on_gpu:
+        torch.cuda.set_rng_state(state["cuda"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def _rank0_then_share(fn, *args):
+    """Run `fn` on rank 0; every rank returns its result, or raises its error (no rank is left waiting)."""
+    box = [None, None]
+    if dist.get_rank() == 0:
+        try:
+            box[0] = fn(*args)
+        except Exception as e:  # noqa: BLE001 - re-raised on every rank below
+            box[1] = str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"
+    dist.broadcast_object_list(box, src=0)
+    if box[1] is not None:
+        raise CheckpointError(box[1])
+    return box[0]
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _prepare(root: Path, step: int) -> str:
+    final, tmp = root / checkpoint_name(step), root / f"{checkpoint_name(step)}.tmp"
+    if (final / MARKER).is_file():
+        raise CheckpointError(f"{final}: a complete checkpoint of step {step} already exists; resume from it "
+                              "or save into another folder")
+    root.mkdir(parents=True, exist_ok=True)
+    for leftover in root.glob("step_*.tmp"):  # an interrupted save's; only this run writes here
+        shutil.rmtree(leftover)
+    tmp.mkdir()
+    for sub in (MODEL_DIR, OPTIMIZER_DIR, RNG_DIR):
+        (tmp / sub).mkdir()
+    return str(tmp)
+
+
+def _finish(root: Path, tmp: Path, step: int, keep_last: int | None, state: dict) -> str:
+    (tmp / STATE_FILE).write_text(json.dumps(state, indent=2))
+    with open(tmp / MARKER, "w") as f:
+        f.write(f"{step}\n")
+        f.flush()
+        os.fsync(f.fileno())
+    final = root / checkpoint_name(step)
+    if final.exists():  # a folder without a marker: never a checkpoint
+        shutil.rmtree(final)
+    tmp.rename(final)
+    _fsync_dir(root)
+    if keep_last:
+        prune_checkpoints(root, keep_last)
+    return str(final)
+
+
+def save_trainer_checkpoint(root, step: int, trainer, extra: dict, keep_last: int | None = None) -> Path:
+    """Collective: checkpoint `trainer` (model, optimizer, step counter, every rank's RNG) and `extra`
+    (JSON-serialisable: data position, config snapshot, ...) as ROOT/step_{step}/; then delete all but
+    the newest `keep_last` complete checkpoints (None keeps all). Returns the checkpoint's folder."""
+    if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
+        raise ConfigError(f"keep_last: must be a whole number >= 1 (or None to keep every checkpoint), "
+                          f"got {keep_last!r}")
+    try:
+        extra_json = json.loads(json.dumps(extra))
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"extra: must be JSON-serialisable (plain dicts, lists, numbers, strings): {e}") from e
+    root = Path(root)
+    tmp = Path(_rank0_then_share(_prepare, root, step))
+    on_gpu = trainer.parallel.device == "cuda"
+    torch.save(_rng_state(on_gpu), tmp / RNG_DIR / f"rank_{dist.get_rank():05d}.pt")
+    from megatron.core import dist_checkpointing
+
+    save_model(trainer.module, tmp / MODEL_DIR)
+    dist_checkpointing.save(_optimizer_sharded_state(trainer, is_loading=False), str(tmp / OPTIMIZER_DIR))
+    dtype = next(trainer.module.parameters()).dtype
+    layout = _layout()
+    state = {"format": FORMAT, "step": step, "trainer_step_count": trainer.step_count,
+             "model": dataclasses.asdict(trainer.spec), "layout": layout, "extra": extra_json}
+    dist.barrier()  # every rank's files are in place before the marker
+
+    def finish():
+        write_meta(tmp / MODEL_DIR, tensor_parallel=layout["tensor_parallel"],
+                   pipeline_parallel=layout["pipeline_parallel"], dtype=dtype)
+        return _finish(root, tmp, step, keep_last, state)
+
+    return Path(_rank0_then_share(finish))
+
+
+def read_trainer_state(path) -> dict:
+    """The checkpoint's trainer_state.json, after checking the checkpoint is complete."""
+    path = Path(path)
+    if not (path / MARKER).is_file():
+        raise CheckpointError(f"{path}: not a complete trainer checkpoint (no {MARKER} marker); use "
+                              "latest_checkpoint(root) to find the newest complete one")
+    state = json.loads((path / STATE_FILE).read_text())
+    if state.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: checkpoint format {state.get('format')!r}, this code reads {FORMAT}")
+    return state
+
+
+def check_model_shape(state: dict, spec, path) -> None:
+    """Refuse a checkpoint of another model, naming every field that differs."""
+    mine = dataclasses.asdict(spec)
+    diffs = [f"{k}={state['model'].get(k)!r} (this model: {v!r})" for k, v in mine.items()
+             if state["model"].get(k) != v]
+    if diffs:
+        raise CheckpointError(f"{path}: checkpoint of a different model shape: {', '.join(diffs)}; resume with the "
+                              "model the run was started with, or start a new run in another folder")
+
+
+def load_trainer_checkpoint(path, trainer) -> dict:
+    """Collective: restore `trainer`'s model, optimizer, step counter and this rank's RNG states from the
+    checkpoint at `path`; returns the `extra` dict it was saved with. RNG states come back only at the
+    layout they were saved at (at another one the run goes on, with a warning, but not bitwise alike)."""
+    path = Path(path)
+    state = read_trainer_state(path)
+    check_model_shape(state, trainer.spec, path)
+    from megatron.core import dist_checkpointing
+
+    load_model(trainer.module, path / MODEL_DIR)
+    loaded = dist_checkpointing.load(_optimizer_sharded_state(trainer, is_loading=True), str(path / OPTIMIZER_DIR))
+    _load_optimizer(trainer, loaded)
+    trainer.step_count = state["trainer_step_count"]
+    if state["layout"] == _layout():
+        rng = torch.load(path / RNG_DIR / f"rank_{dist.get_rank():05d}.pt", weights_only=True)
+        _set_rng_state(rng, trainer.parallel.device == "cuda")
+    elif dist.get_rank() == 0:
+        log.warning("%s: saved at layout %s, resumed at %s: weights and optimizer resharded, RNG states not "
+                    "restored (the run continues, not bitwise as it would have)", path, state["layout"], _layout())
+    dist.barrier()
+    return state["extra"]

@@ -1,0 +1,120 @@
+"""torchrun worker: a training run checkpointed and resumed in another process.
+
+argv: OUT_DIR MODE LAYOUT [LAYOUT ...], MODE "full" or "resume", a layout being tp,pp (DP = the rest).
+full: 3 steps, a checkpoint after each (keep_last=2), then step 4. resume: a fresh trainer (other
+seed, random weights, other RNG states) loads the latest checkpoint and runs step 4. Each step's data
+depends on the python, numpy and torch RNGs, so step 4 matches only if they were restored too.
+A resume layout tp,pp@TAG loads the checkpoint of layout TAG instead (resharded; the RNG states stay
+behind, so the host RNGs are replayed to step 4's data by hand).
+Per layout: OUT_DIR/{tag}-{mode}.json (step 4's loss and grad norm, the extra dict, every rank's RNG
+draws after step 4) and OUT_DIR/{tag}-{mode}-stage{pp_rank}.pt (the weights after step 4, HF names).
+"""
+
+import json
+import os
+import random
+import sys
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from tiny_models import hf_model
+from train_worker import batch, gathered_hf_state
+
+from megatron_dapo.checkpoint.hf_weights import load_hf_weights
+from megatron_dapo.checkpoint.trainer_checkpoint import (
+    latest_checkpoint,
+    load_trainer_checkpoint,
+    save_trainer_checkpoint,
+)
+from megatron_dapo.config import ParallelConfig
+from megatron_dapo.policy.hf_config import model_spec_from_hf
+from megatron_dapo.policy.train_step import LossConfig, OptimConfig, PolicyTrainer, RolloutSample
+from megatron_dapo.runtime import init_runtime, reset_parallel_layout, shutdown_runtime
+
+OPTIM = OptimConfig(lr=3e-3, warmup_steps=6, weight_decay=0.01, clip_grad=1.0)
+
+
+def seed_all(seed):
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def step_batch(samples):
+    """This DP rank's share of a random subset with randomly scaled advantages: the step depends on every
+    host RNG."""
+    from megatron.core import parallel_state
+
+    picks = sorted(random.sample(range(len(samples)), 6))
+    scale = float(np.random.uniform(0.5, 1.5)) * (1.0 + torch.rand(()).item())
+    mine = picks[parallel_state.get_data_parallel_rank()::parallel_state.get_data_parallel_world_size()]
+    return [RolloutSample(samples[i].sequence, samples[i].old_logp, samples[i].advantages * scale,
+                          samples[i].loss_mask) for i in mine]
+
+
+def rng_draws():
+    from megatron.core import tensor_parallel
+
+    with tensor_parallel.get_cuda_rng_tracker().fork():
+        tracker = torch.rand(2).tolist()
+    return {"python": random.random(), "numpy": float(np.random.rand()), "torch": torch.rand(2).tolist(),
+            "tracker": tracker}
+
+
+def run_layout(out_dir, mode, layout, spec, hf):
+    from megatron.core import parallel_state
+
+    layout, _, source = layout.partition("@")
+    tp, pp = map(int, layout.split(","))
+    full = mode == "full"
+    parallel = ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp, device="cpu", seed=7 if full else 99)
+    runtime = init_runtime(parallel)
+    tag = f"tp{tp}-pp{pp}-dp{runtime.data_parallel}"
+    root = os.path.join(out_dir, f"ckpt-{source or tag}")
+    if source:
+        tag = f"{tag}-from-{source}"
+    trainer = PolicyTrainer(spec, parallel, runtime.device, OPTIM, LossConfig(), 200)
+    samples = batch(hf)
+    if full:
+        load_hf_weights(trainer.module, hf.state_dict().__getitem__, spec, parallel)
+        seed_all(11)
+        for step in range(1, 4):
+            trainer.step(step_batch(samples))
+            save_trainer_checkpoint(root, step, trainer, {"sampler": {"epoch": 0, "position": 6 * step},
+                                                          "metrics_step": step}, keep_last=2)
+        extra = None
+    else:
+        seed_all(12345)
+        extra = load_trainer_checkpoint(latest_checkpoint(root), trainer)
+        if source:
+            seed_all(11)
+            for _ in range(3):
+                step_batch(samples)
+    step_count = trainer.step_count
+    result = trainer.step(step_batch(samples))
+    draws = [None] * dist.get_world_size()
+    dist.all_gather_object(draws, rng_draws())
+    weights = gathered_hf_state(trainer.module, spec, parallel)
+    if parallel_state.get_tensor_model_parallel_rank() == 0 and parallel_state.get_data_parallel_rank() == 0:
+        stage = parallel_state.get_pipeline_model_parallel_rank()
+        torch.save(weights, os.path.join(out_dir, f"{tag}-{mode}-stage{stage}.pt"))
+    if dist.get_rank() == 0:
+        record = {"loss": result.loss, "grad_norm": result.grad_norm, "lr": result.lr, "step_count": step_count,
+                  "extra": extra, "draws": draws}
+        with open(os.path.join(out_dir, f"{tag}-{mode}.json"), "w") as f:
+            json.dump(record, f)
+    del trainer
+    reset_parallel_layout()
+
+
+def main(out_dir, mode, layouts):
+    hf, cfg = hf_model("qwen2")
+    spec = model_spec_from_hf(cfg)
+    for layout in layouts:
+        run_layout(out_dir, mode, layout, spec, hf)
+    shutdown_runtime()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], sys.argv[3:])
