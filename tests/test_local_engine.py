@@ -12,7 +12,7 @@ from tiny_models import VOCAB, hf_model  # noqa: E402
 
 from megatron_dapo.config import ConfigError, ParallelConfig  # noqa: E402
 from megatron_dapo.rollout.engine import SamplingParams  # noqa: E402
-from megatron_dapo.rollout.local_engine import LocalEngine, hf_eos_token_ids  # noqa: E402
+from megatron_dapo.rollout.local_engine import LocalEngine, hf_eos_token_ids, sample_tokens  # noqa: E402
 
 EOS = [7]
 PROMPT_LENGTHS = (3, 11, 6, 1, 17)
@@ -65,6 +65,21 @@ def recomputed_logprobs(policy, ps, samples, model=None):
                             max_tokens_per_micro_batch=1024, device=runtime.device)
     model.train()
     return [o[0] for o in out]
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.8), (1.5, 0.95)])
+def test_sampled_token_frequencies_follow_the_tempered_top_p_distribution(temperature, top_p):
+    logits = torch.tensor([2.0, 1.5, 1.0, 0.0, -1.0, -3.0])
+    probs = torch.softmax(logits.double() / temperature, dim=0)  # sorted already
+    probs[(probs.cumsum(0) - probs) > top_p] = 0  # SGLang's rule: keep tokens until the mass reaches top_p
+    probs /= probs.sum()
+    rows = 200_000
+    token, logp = sample_tokens(logits.expand(rows, -1), SamplingParams(temperature=temperature, top_p=top_p),
+                                torch.Generator().manual_seed(0))
+    freq = torch.bincount(token, minlength=6).double() / rows
+    assert (freq - probs).abs().max() < 0.005  # about 5 standard deviations
+    assert (freq[probs == 0] == 0).all()
+    assert torch.allclose(logp, torch.log_softmax(logits, dim=0)[token])  # temperature-1 log-prob
 
 
 @pytest.mark.parametrize("temperature,top_p,max_batch_rows", [(1.0, 1.0, 256), (0.7, 0.9, 256), (1.0, 1.0, 8)])

@@ -48,6 +48,26 @@ def hf_eos_token_ids(hf_config: dict) -> list[int]:
     return [int(e) for e in (eos if isinstance(eos, list) else [eos])]
 
 
+def sample_tokens(logits: torch.Tensor, params: SamplingParams,
+                  generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """A token per row of fp32 logits [rows, vocab], and its log-prob under the temperature-1 distribution."""
+    logp = torch.log_softmax(logits, dim=-1)
+    if params.temperature < GREEDY_TEMPERATURE:
+        token = logits.argmax(dim=-1)
+    else:
+        probs = torch.softmax(logits / params.temperature, dim=-1)
+        if params.top_p < 1:
+            # Keep the most likely tokens until their mass reaches top_p (SGLang's rule).
+            sorted_probs, order = probs.sort(dim=-1, descending=True)
+            cut = (sorted_probs.cumsum(dim=-1) - sorted_probs) > params.top_p
+            probs = torch.zeros_like(probs).scatter_(1, order, sorted_probs.masked_fill(cut, 0.0))
+        # An exponential race, argmax p / E with E ~ Exp(1), draws from p; cheaper than multinomial. E is
+        # kept off 0 so a token of probability 0 can never win.
+        race = torch.empty_like(probs).exponential_(generator=generator).clamp_(min=torch.finfo(probs.dtype).tiny)
+        token = (probs / race).argmax(dim=-1)
+    return token, logp.gather(1, token[:, None]).squeeze(1)
+
+
 class LocalEngine:
     """Engine over an in-process policy stage (a GPTModel, or it wrapped in megatron's DDP)."""
 
@@ -113,21 +133,6 @@ class LocalEngine:
         context.increment_sequence_len_offset(tokens.shape[1])
         return logits[:, -1, : self.vocab_size].float()  # the columns past the vocabulary are TP padding
 
-    def _sample(self, logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
-        """(token, its temperature-1 log-prob) per row."""
-        logp = torch.log_softmax(logits, dim=-1)
-        if params.temperature < GREEDY_TEMPERATURE:
-            token = logits.argmax(dim=-1)
-        else:
-            probs = torch.softmax(logits / params.temperature, dim=-1)
-            if params.top_p < 1:
-                # Keep the most likely tokens until their mass reaches top_p (SGLang's rule).
-                sorted_probs, order = probs.sort(dim=-1, descending=True)
-                cut = (sorted_probs.cumsum(dim=-1) - sorted_probs) > params.top_p
-                probs = torch.zeros_like(probs).scatter_(1, order, sorted_probs.masked_fill(cut, 0.0))
-            token = torch.multinomial(probs, 1, generator=self.generator).squeeze(1)
-        return token, logp.gather(1, token[:, None]).squeeze(1)
-
     def _decode(self, prompts: list[list[int]], n: int, params: SamplingParams,
                 should_stop: Callable[[], bool]) -> Iterator[FinishedRow]:
         """Decode n rows per prompt together (row r is sample r % n of prompt r // n); rows as they finish."""
@@ -183,7 +188,7 @@ class _DecodeBatch:
 
     def _step(self) -> list[FinishedRow]:
         t, active = self.t, self.active
-        token, logp = self.engine._sample(self.logits, self.params)
+        token, logp = sample_tokens(self.logits, self.params, self.engine.generator)
         sampled = t >= self.prompt_len[active]  # rows past their prompt; the others take their prompt token
         self.tokens[active, t] = torch.where(sampled, token, self.tokens[active, t])
         self.logps[active, t] = logp
