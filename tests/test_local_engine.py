@@ -211,13 +211,13 @@ def test_stream_hands_out_whole_groups_and_abort_ends_it(policy):
 def test_bad_requests_are_refused_by_name(policy):
     engine = make_engine(policy)
     params = SamplingParams(max_new_tokens=4)
-    with pytest.raises(ValueError, match="n: must be >= 1"):
+    with pytest.raises(ValueError, match="n: the group size must be a whole number >= 1"):
         engine.generate(prompts(), 0, params)
-    with pytest.raises(ValueError, match="prompt 1: 0 tokens"):
+    with pytest.raises(ValueError, match=r"prompts\[1\]: 0 tokens"):
         engine.generate([[1, 2], []], 1, params)
-    with pytest.raises(ValueError, match=r"prompt 0: token ids must be in \[0, 300\)"):
+    with pytest.raises(ValueError, match=r"prompts\[0\]: token ids must be in \[0, 300\)"):
         engine.generate([[1, VOCAB]], 1, params)
-    with pytest.raises(ValueError, match="prompt 0: 96 tokens"):
+    with pytest.raises(ValueError, match=r"prompts\[0\]: 96 tokens"):
         engine.generate([[1] * 96], 1, params)
     with pytest.raises(ConfigError, match="eos_token_id"):
         hf_eos_token_ids({"vocab_size": VOCAB})

@@ -15,9 +15,9 @@ same requests give the same samples.
 
 Log-probs: each token's log-prob under the policy's temperature-1 distribution, log_softmax(logits)
 over the true vocabulary: the quantity policy.forward.response_logprobs recomputes, whatever the
-sampling temperature and top_p. SGLang by default returns log_softmax(logits / temperature) (before
-top_p); with SGLANG_RETURN_ORIGINAL_LOGPROB=1 in the server's environment it returns this same
-quantity. The two agree at temperature 1 (and in greedy decoding).
+sampling temperature and top_p. SGLang returns the same quantity when its server runs with
+SGLANG_RETURN_ORIGINAL_LOGPROB=1; its default is log_softmax(logits / temperature) (before top_p),
+which agrees only at temperature 1 and in greedy decoding.
 
 Stopping follows SGLang: a token in stop_token_ids or the model's EOS ids ends a row with "stop"
 (the token is kept, with its log-prob); ignore_eos turns off both; max_new_tokens, or the model's
@@ -105,14 +105,14 @@ class LocalEngine:
         return [groups[i] for i in range(len(prompts))]
 
     def _check(self, prompts: list[list[int]], n: int) -> None:
-        if n < 1:
-            raise ValueError(f"n: must be >= 1 sample per prompt, got {n}")
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"n: the group size must be a whole number >= 1, got {n!r}")
         for i, p in enumerate(prompts):
             if not 1 <= len(p) < self.max_positions:
-                raise ValueError(f"prompt {i}: {len(p)} tokens; a prompt needs 1 to {self.max_positions - 1} tokens "
-                                 "(the model's max_position_embeddings minus one to answer in)")
+                raise ValueError(f"prompts[{i}]: {len(p)} tokens; a prompt needs 1 to {self.max_positions - 1} "
+                                 "(the model's max_position_embeddings, less one position to answer in)")
             if min(p) < 0 or max(p) >= self.vocab_size:
-                raise ValueError(f"prompt {i}: token ids must be in [0, {self.vocab_size}), got {min(p)}..{max(p)}")
+                raise ValueError(f"prompts[{i}]: token ids must be in [0, {self.vocab_size}), got {min(p)}..{max(p)}")
 
     @contextlib.contextmanager
     def _eval_mode(self):
