@@ -1,4 +1,5 @@
-"""Trainer checkpoints: an exact resume in a new process at TP=2, PP=2 and DP=2; atomicity, keep-last-N, bad inputs."""
+"""Trainer checkpoints: an exact resume in a new process at TP=2, PP=2 and DP=2, and at another layout;
+atomicity, keep-last-N, bad inputs."""
 
 import dataclasses
 import json
@@ -21,8 +22,8 @@ from megatron_dapo.checkpoint.trainer_checkpoint import (
 from megatron_dapo.config import ConfigError
 from megatron_dapo.policy.hf_config import ModelSpec
 
-# DP=2: the distributed optimizer's state really is split between the ranks.
-LAYOUTS = {"tp2-pp1-dp1": "2,1", "tp1-pp2-dp1": "1,2", "tp1-pp1-dp2": "1,1"}
+# DP=2: the distributed optimizer's state really is split between the ranks; nodist: megatron's plain optimizer.
+LAYOUTS = {"tp2-pp1-dp1": "2,1", "tp1-pp2-dp1": "1,2", "tp1-pp1-dp2": "1,1", "tp1-pp2-dp1-nodist": "1,2,nodist"}
 RESHARD = ("1,2", "tp2-pp1-dp1")  # resumed at TP=1 x PP=2 from the TP=2 checkpoint
 
 

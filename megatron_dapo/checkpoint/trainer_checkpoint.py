@@ -3,7 +3,8 @@
 A checkpoint is one folder, ROOT/step_000123/, holding
   model/               the policy's weights (megatron-core dist_checkpointing, loads at any TP x PP;
                        tools/convert_checkpoint.py mcore-to-hf turns it into a Hugging Face folder)
-  optimizer/           the distributed optimizer's state, in megatron-core's fully reshardable format
+  optimizer/           the optimizer's state (the distributed optimizer's in megatron-core's fully
+                       reshardable format: it too loads at another TP x PP x DP)
   rng/rank_00000.pt    each rank's RNG states: python, numpy, torch (CPU, and CUDA on GPUs), megatron's tracker
   trainer_state.json   the step, the model's shape, the layout, and the caller's `extra`
   COMPLETE             written last

@@ -1,6 +1,7 @@
 """torchrun worker: a training run checkpointed and resumed in another process.
 
-argv: OUT_DIR MODE LAYOUT [LAYOUT ...], MODE "full" or "resume", a layout being tp,pp (DP = the rest).
+argv: OUT_DIR MODE LAYOUT [LAYOUT ...], MODE "full" or "resume", a layout being tp,pp (DP = the rest),
+or tp,pp,nodist for megatron's non-distributed optimizer.
 full: 3 steps, a checkpoint after each (keep_last=2), then step 4. resume: a fresh trainer (other
 seed, random weights, other RNG states) loads the latest checkpoint and runs step 4. Each step's data
 depends on the python, numpy and torch RNGs, so step 4 matches only if they were restored too.
@@ -10,6 +11,7 @@ Per layout: OUT_DIR/{tag}-{mode}.json (step 4's loss and grad norm, the extra di
 draws after step 4) and OUT_DIR/{tag}-{mode}-stage{pp_rank}.pt (the weights after step 4, HF names).
 """
 
+import dataclasses
 import json
 import os
 import random
@@ -66,15 +68,17 @@ def run_layout(out_dir, mode, layout, spec, hf):
     from megatron.core import parallel_state
 
     layout, _, source = layout.partition("@")
-    tp, pp = map(int, layout.split(","))
+    tp, pp, *flags = layout.split(",")
+    tp, pp, nodist = int(tp), int(pp), "nodist" in flags
     full = mode == "full"
     parallel = ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp, device="cpu", seed=7 if full else 99)
     runtime = init_runtime(parallel)
-    tag = f"tp{tp}-pp{pp}-dp{runtime.data_parallel}"
+    tag = f"tp{tp}-pp{pp}-dp{runtime.data_parallel}" + ("-nodist" if nodist else "")
     root = os.path.join(out_dir, f"ckpt-{source or tag}")
     if source:
         tag = f"{tag}-from-{source}"
-    trainer = PolicyTrainer(spec, parallel, runtime.device, OPTIM, LossConfig(), 200)
+    optim = dataclasses.replace(OPTIM, distributed_optimizer=not nodist)
+    trainer = PolicyTrainer(spec, parallel, runtime.device, optim, LossConfig(), 200)
     samples = batch(hf)
     if full:
         load_hf_weights(trainer.module, hf.state_dict().__getitem__, spec, parallel)
