@@ -2,7 +2,7 @@
 
 A checkpoint is one folder, ROOT/step_000123/, holding
   model/               the policy's weights (megatron-core dist_checkpointing, loads at any TP x PP;
-                       tools/convert_checkpoint.py mcore-to-hf turns it into a Hugging Face folder)
+                       tools/convert_checkpoint.py mcore-to-hf --hf-config MODEL_DIR converts it)
   optimizer/           the optimizer's state (the distributed optimizer's in megatron-core's fully
                        reshardable format: it too loads at another TP x PP x DP)
   rng/rank_00000.pt    each rank's RNG states: python, numpy, torch (CPU, and CUDA on GPUs), megatron's tracker
