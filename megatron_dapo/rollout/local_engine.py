@@ -131,7 +131,7 @@ class LocalEngine:
         positions = torch.arange(start, start + tokens.shape[1], device=self.device).expand_as(tokens)
         logits = self.model(tokens, positions, None, inference_context=context, runtime_gather_output=True)
         context.increment_sequence_len_offset(tokens.shape[1])
-        return logits[:, -1, : self.vocab_size].float()  # the columns past the vocabulary are TP padding
+        return logits[:, -1, : self.vocab_size].float()  # columns past the vocabulary are padding
 
     def _decode(self, prompts: list[list[int]], n: int, params: SamplingParams,
                 should_stop: Callable[[], bool]) -> Iterator[FinishedRow]:
