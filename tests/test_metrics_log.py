@@ -11,8 +11,7 @@ from megatron_dapo import metrics_log
 from megatron_dapo.metrics_log import MetricsLogger, read_metrics
 
 TOOLS = Path(__file__).resolve().parents[1] / "tools"
-sys.path.insert(0, str(TOOLS))
-from plot_metrics import panels, plot_metrics  # noqa: E402
+from megatron_dapo.metrics_plot import panels, plot_metrics  # noqa: E402
 
 
 def lines(run):

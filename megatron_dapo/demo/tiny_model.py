@@ -1,0 +1,50 @@
+"""A tiny Qwen2 policy and its tokenizer, made from scratch for the CPU demo (nothing is downloaded).
+
+The tokenizer is byte-level BPE trained on the task's own text, with digits always split into single
+tokens (so numbers are spelled digit by digit) and a minimal chat template; the model has random
+weights. Both are saved as one Hugging Face folder, the format the trainer and SGLang load.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+
+
+def train_tokenizer(corpus: list[str], vocab_size: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(corpus, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def make_tiny_model(path, corpus: list[str], *, seed: int, hidden: int = 128, layers: int = 4, heads: int = 4,
+                    max_positions: int = 64):
+    """Save a random tiny Qwen2 and a tokenizer trained on `corpus` to `path`; returns the tokenizer."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    tokenizer = train_tokenizer(corpus, vocab_size=320)
+    torch.manual_seed(seed)
+    config = Qwen2Config(hidden_size=hidden, intermediate_size=hidden * 3, num_hidden_layers=layers,
+                         num_attention_heads=heads, num_key_value_heads=heads // 2, vocab_size=len(tokenizer),
+                         max_position_embeddings=max_positions, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                         bos_token_id=None, architectures=["Qwen2ForCausalLM"])
+    model = Qwen2ForCausalLM(config).float()
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    Path(path).mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return tokenizer

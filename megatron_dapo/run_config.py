@@ -1,0 +1,140 @@
+"""The whole run's configuration: one typed section per concern, read from YAML, validated up front.
+
+Defaults are the DAPO paper's (eps_low 0.2, eps_high 0.28, G = 16, lr 1e-6 with 20 warmup steps,
+L_max 20480 with L_cache 4096, no KL). `load_config(path, overrides)` reads YAML, applies
+`section.key=value` overrides, and refuses unknown keys (naming the closest known one), values of
+the wrong type, and values or combinations that cannot work, each with the key in the message.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from megatron_dapo.algorithm.config import AlgorithmConfig
+from megatron_dapo.config import (
+    ConfigError,
+    DataConfig,
+    LossConfig,
+    ModelConfig,
+    OptimConfig,
+    ParallelConfig,
+    RolloutConfig,
+    TrainConfig,
+)
+from megatron_dapo.reward import RewardConfig
+
+
+def _require(ok: bool, key: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}: {message}")
+
+
+@dataclass(frozen=True)
+class DapoConfig:
+    model: ModelConfig
+    data: DataConfig
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def __post_init__(self):
+        p, r = self.parallel, self.rollout
+        if r.engine == "local":
+            _require(p.tensor_parallel == 1 and p.pipeline_parallel == 1, "rollout.engine",
+                     "'local' samples from the policy in-process and needs parallel.tensor_parallel = "
+                     "parallel.pipeline_parallel = 1; use 'sglang' for split models")
+        if r.engine == "sglang" and r.weight_sync == "tensor":
+            _require(r.server_tensor_parallel == 1 and r.num_servers == 1, "rollout.weight_sync",
+                     "'tensor' (colocated) pushes to one server at TP 1; use 'distributed' or 'disk'")
+        _require(self.train.updates_per_step <= self.algorithm.batch_size * self.algorithm.group_size,
+                 "train.updates_per_step", f"{self.train.updates_per_step} mini-batches cannot be cut from "
+                 f"{self.algorithm.batch_size} x {self.algorithm.group_size} responses")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _coerce(value, annotation, key: str):
+    """Check a YAML value against a field's type; ints are accepted where floats are expected."""
+    hint = annotation
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        options = typing.get_args(hint)
+        if value is None and type(None) in options:
+            return None
+        hint = next(o for o in options if o is not type(None))
+    if typing.get_origin(hint) is list:
+        _require(isinstance(value, list), key, f"must be a list, got {value!r}")
+        (item,) = typing.get_args(hint)
+        return [_coerce(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
+    if hint is float and isinstance(value, str):
+        try:  # YAML 1.1 reads "1e-6" (no dot) as a string
+            value = float(value)
+        except ValueError:
+            pass
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    ok = isinstance(value, hint) and not (hint in (int, float) and isinstance(value, bool))
+    _require(ok, key, f"must be {hint.__name__}, got {value!r} ({type(value).__name__})")
+    return value
+
+
+def _build(cls, data, prefix: str):
+    _require(isinstance(data, dict), prefix.rstrip(".") or "config", f"must be a mapping of keys to values, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        full = f"{prefix}{key}"
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1)
+            hint = f"did you mean {prefix}{close[0]}?" if close else f"known keys: {', '.join(names)}"
+            raise ConfigError(f"{full}: unknown key; {hint}")
+        is_section = dataclasses.is_dataclass(hints[key])
+        kwargs[key] = _build(hints[key], value, f"{full}.") if is_section else _coerce(value, hints[key], full)
+    for f in dataclasses.fields(cls):
+        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        if required and f.name not in kwargs:
+            kwargs[f.name] = _build(hints[f.name], {}, f"{prefix}{f.name}.")
+    return cls(**kwargs)
+
+
+def apply_override(data: dict, override: str) -> None:
+    """`a.b=value`: the value is read as YAML (numbers, booleans, lists, null)."""
+    _require("=" in override, override, "an override must look like section.key=value")
+    key, raw = override.split("=", 1)
+    parts = key.strip().split(".")
+    node = data
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        _require(isinstance(node, dict), key, "cannot set a key inside a value that is not a section")
+    node[parts[-1]] = yaml.safe_load(raw)
+
+
+def config_from_dict(data: dict, overrides: typing.Sequence[str] = ()) -> DapoConfig:
+    data = copy.deepcopy(data or {})  # overrides must not change the caller's dict
+    for override in overrides:
+        apply_override(data, override)
+    return _build(DapoConfig, data, "")
+
+
+def load_config(path, overrides: typing.Sequence[str] = ()) -> DapoConfig:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: no such config file")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    return config_from_dict(data, overrides)

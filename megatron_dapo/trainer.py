@@ -1,0 +1,322 @@
+"""The DAPO training loop (`megatron-dapo train`), run on every trainer rank (torchrun or srun).
+
+One step, as in the paper: the engine samples a group of G responses per prompt; math-verify judges
+each; rewards (+1 / -1 and the soft overlong penalty) are normalised inside the group into
+advantages; groups that are all right or all wrong are dropped and sampling goes on until the batch
+is full (dynamic sampling); the policy recomputes the old log-probs; the batch is cut into
+mini-batches, each one optimizer step of the fused clipped token-level loss; the new weights go to
+the inference engine. Global rank 0 (the driver) runs the rollout and hands the kept batch to every
+rank; everything after that is collective.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron_dapo.algorithm import DynamicSampler, PromptItem
+from megatron_dapo.checkpoint.hf_weights import load_hf_weights
+from megatron_dapo.checkpoint.safetensors_io import HFCheckpoint
+from megatron_dapo.checkpoint.trainer_checkpoint import latest_checkpoint, load_trainer_checkpoint, save_trainer_checkpoint
+from megatron_dapo.data.prompt_encoding import encode_prompt
+from megatron_dapo.data.prompt_file import load_prompt_rows
+from megatron_dapo.data.prompt_sampler import PromptSampler
+from megatron_dapo.metrics_log import MetricsLogger
+from megatron_dapo.ops import STAT_NAMES
+from megatron_dapo.policy.hf_config import model_spec_from_hf
+from megatron_dapo.policy.model import build_model
+from megatron_dapo.policy.rollout_samples import (
+    MISMATCH_KEYS,
+    data_parallel_share,
+    flatten,
+    split_even,
+    training_samples,
+)
+from megatron_dapo.policy.train_step import PolicyTrainer
+from megatron_dapo.reward import RewardPool
+from megatron_dapo.rollout.engine import SamplingParams
+from megatron_dapo.run_config import DapoConfig
+from megatron_dapo.runtime import init_runtime, shutdown_runtime
+
+log = logging.getLogger(__name__)
+
+
+class StepTimer:
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, name: str):
+        start = time.perf_counter()
+        yield
+        self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+
+
+class DapoTrainer:
+    def __init__(self, cfg: DapoConfig):
+        from megatron.core import parallel_state
+
+        self.cfg = cfg
+        self.runtime = init_runtime(cfg.parallel)
+        self.driver = dist.get_rank() == 0
+        self.dp_rank = parallel_state.get_data_parallel_rank()
+        self.dp_size = parallel_state.get_data_parallel_world_size()
+        cfg.algorithm.check_data_parallel(self.dp_size)
+        hf = HFCheckpoint(cfg.model.path)
+        self.hf_config = hf.config
+        self.spec = model_spec_from_hf(hf.config)
+        hf.validate(self.spec)
+        self.policy = PolicyTrainer(self.spec, cfg.parallel, self.runtime.device, cfg.optim, cfg.loss,
+                                    cfg.model.max_tokens_per_micro_batch)
+        load_hf_weights(self.policy.module, hf.get, self.spec, cfg.parallel)
+        self.reference = self._frozen_reference(hf) if cfg.loss.kl_coef > 0 else None
+        self.output_dir = Path(cfg.train.output_dir)
+        self.step_index = 0  # rollout steps done
+        self.params = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+                                     max_new_tokens=cfg.algorithm.max_response_len)
+        self.sampler = None
+        if self.driver:
+            self._setup_driver()
+        resume = latest_checkpoint(self.checkpoint_root) if cfg.train.resume else None
+        if resume is not None:
+            extra = load_trainer_checkpoint(resume, self.policy)
+            self.step_index = extra["step"]
+            if self.driver:
+                self.sampler.load_state_dict(extra["sampler"])
+                log.info("resumed from %s (step %d)", resume, self.step_index)
+        if self.driver:
+            self.metrics = MetricsLogger(self.output_dir, tensorboard=cfg.train.tensorboard,
+                                         resume_step=self.step_index if resume is not None else None)
+        self.syncer = self._weight_syncer()
+        if resume is not None:
+            self.sync_weights()  # the servers start from the initial weights
+
+    # -- setup -------------------------------------------------------------------------------------
+
+    @property
+    def checkpoint_root(self) -> Path:
+        return self.output_dir / "checkpoints"
+
+    def _frozen_reference(self, hf):
+        from megatron.core import parallel_state
+
+        ref = build_model(self.spec, self.cfg.parallel, pre_process=parallel_state.is_pipeline_first_stage(),
+                          post_process=parallel_state.is_pipeline_last_stage())
+        load_hf_weights(ref, hf.get, self.spec, self.cfg.parallel)
+        return ref.eval().requires_grad_(False)
+
+    def _setup_driver(self) -> None:
+        from transformers import AutoTokenizer
+
+        cfg = self.cfg
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+        self.rows, skipped = load_prompt_rows(cfg.data.train_path)
+        self.eval_rows = load_prompt_rows(cfg.data.eval_path)[0] if cfg.data.eval_path else []
+        self.sampler = PromptSampler(len(self.rows), cfg.data.seed)
+        self.reward_pool = RewardPool(cfg.reward)
+        self.engine = self._engine()
+        self.dynamic_sampler = DynamicSampler(self.engine, self._score_group, self._next_prompts, cfg.algorithm,
+                                              self.params, dp_size=self.dp_size)
+        if skipped:
+            log.warning("%s: %d rows without a prompt or an answer were skipped", cfg.data.train_path, skipped)
+
+    def _engine(self):
+        cfg = self.cfg
+        if cfg.rollout.engine == "local":
+            from megatron_dapo.rollout.local_engine import LocalEngine, hf_eos_token_ids
+
+            return LocalEngine(self.policy.module, vocab_size=self.spec.vocab_size,
+                               max_positions=self.spec.max_position_embeddings,
+                               eos_token_ids=hf_eos_token_ids(self.hf_config), device=self.runtime.device,
+                               seed=cfg.parallel.seed, weight_version=str(self.step_index))
+        from megatron_dapo.rollout.sglang_engine import engine_from_config
+
+        return engine_from_config(cfg.rollout, cfg.model.path, self.output_dir / "sglang",
+                                  on_server_restart=self._on_server_restart)
+
+    def _weight_syncer(self):
+        if self.cfg.rollout.engine == "local":
+            return None  # the local engine samples from the live policy
+        from megatron_dapo.weight_sync import make_weight_syncer
+
+        box = [self.engine.urls if self.driver else None]
+        dist.broadcast_object_list(box, src=0)
+        r = self.cfg.rollout
+        return make_weight_syncer(r.weight_sync, box[0], self.spec, self.cfg.parallel, self.hf_config,
+                                  bucket_mb=r.weight_sync_bucket_mb, work_dir=self.output_dir / "weights")
+
+    # -- the rollout, on the driver ------------------------------------------------------------------
+
+    def _next_prompts(self, k: int) -> list[PromptItem]:
+        items = []
+        for i in self.sampler.next_indices(k):
+            row = self.rows[i]
+            ids = encode_prompt(self.tokenizer, row.prompt, raw_prompt=not self.cfg.data.chat_template)
+            items.append(PromptItem(i, ids[-self.cfg.data.max_prompt_len:], row.ground_truth))
+        return items
+
+    def _score_group(self, prompt: PromptItem, samples) -> list[bool]:
+        texts = self.tokenizer.batch_decode([s.output_ids for s in samples], skip_special_tokens=True)
+        return [v.correct for v in self.reward_pool.score(texts, [prompt.ground_truth] * len(texts))]
+
+    def _on_server_restart(self, url: str) -> None:
+        """A server came back with its initial weights mid-rollout: every rank joins a weight sync."""
+        dist.broadcast_object_list([("resync", None)], src=0)
+        self.sync_weights()
+
+    def _rollout(self):
+        """Driver: dynamic sampling. Every rank: the kept batch (responses, in the same order everywhere)."""
+        if self.driver:
+            batch = self.dynamic_sampler.collect()
+            message = [("batch", (flatten(batch), batch.metrics.as_dict()))]
+            dist.broadcast_object_list(message, src=0)
+            return message[0][1]
+        while True:  # wait for the batch, joining any weight sync a restarted server needs meanwhile
+            message = [None]
+            dist.broadcast_object_list(message, src=0)
+            kind, payload = message[0]
+            if kind == "batch":
+                return payload
+            self.sync_weights()
+
+    # -- the step ------------------------------------------------------------------------------------
+
+    def step(self) -> dict[str, float]:
+        """One DAPO step; returns its metrics (complete on the driver)."""
+        timer = StepTimer()
+        start = time.perf_counter()
+        with timer("rollout"):
+            items, metrics = self._rollout()
+        train_metrics = {}
+        if items:
+            with timer("old_logprob"):
+                share = data_parallel_share(items, self.dp_rank, self.dp_size)
+                samples, sums, abs_max = training_samples(
+                    self.policy.module.eval(), self.reference, share, spec=self.spec,
+                    max_tokens=self.cfg.model.max_tokens_per_micro_batch, device=self.runtime.device,
+                    tis_cap=self.cfg.loss.tis_cap)
+                self.policy.module.train()
+            with timer("train"):
+                results = [self.policy.step(mini) for mini in split_even(samples, self.cfg.train.updates_per_step)]
+            train_metrics = self._train_metrics(results, sums, abs_max)
+        with timer("sync"):
+            self.sync_weights()
+        self.step_index += 1
+        tokens = sum(len(it.prompt_ids) + len(it.output_ids) for it in items)
+        step_s = time.perf_counter() - start
+        metrics.update(train_metrics, tokens_per_s=tokens / step_s, **{"time/step": step_s},
+                       **{f"time/{k}": v for k, v in timer.seconds.items()})
+        return metrics
+
+    def _train_metrics(self, results, sums, abs_max) -> dict[str, float]:
+        dist.all_reduce(sums)
+        dist.all_reduce(abs_max, op=dist.ReduceOp.MAX)
+        m = dict(zip(MISMATCH_KEYS, sums.tolist()))
+        tokens = max(m["tokens"], 1.0)
+        stats = {k: sum(r.stats[k] for r in results) for k in STAT_NAMES if k != "ratio_max"}
+        loss_tokens = max(stats["num_tokens"], 1.0)
+        out = {
+            "loss": sum(r.loss * r.stats["num_tokens"] for r in results) / loss_tokens,
+            "grad_norm": max(r.grad_norm for r in results),
+            "lr": results[-1].lr,
+            "entropy": m["entropy_sum"] / tokens,
+            "clip_frac/low": stats["clipped_low"] / loss_tokens,
+            "clip_frac/high": stats["clipped_high"] / loss_tokens,
+            "clip_frac/dual": stats["dual_clipped"] / loss_tokens,
+            "ratio_mean": stats["ratio_sum"] / loss_tokens,
+            "ratio_max": max(r.stats["ratio_max"] for r in results),
+            "approx_kl": stats["k3_kl_sum"] / loss_tokens,
+            "mismatch/kl": m["mismatch_k3_sum"] / tokens,
+            "mismatch/abs_mean": m["mismatch_abs_sum"] / tokens,
+            "mismatch/abs_max": abs_max.item(),
+            "loss_tokens": stats["num_tokens"],
+            "updates": len(results),
+        }
+        if self.cfg.loss.tis_cap is not None:
+            out.update({"tis/weight_mean": m["tis_weight_sum"] / tokens, "tis/capped_frac": m["tis_capped"] / tokens})
+        return out
+
+    def sync_weights(self) -> None:
+        version = str(self.step_index)
+        if self.syncer is None:
+            if self.driver:
+                self.engine.weight_version = version
+            return
+        result = self.syncer.sync(self.policy.module, version)
+        if result is not None:
+            log.info("weight sync %s: %.3f GB in %.2f s (%.2f GB/s)", version, result.bytes / 1e9, result.seconds,
+                     result.gbps)
+
+    # -- evaluation, checkpoints, the run ------------------------------------------------------------
+
+    def evaluate(self) -> dict[str, float]:
+        """Driver: avg@k accuracy on the held-out prompts (k samples each, the rollout's sampling settings)."""
+        if not self.eval_rows:
+            return {}
+        rows = self.eval_rows[: self.cfg.train.eval_max_prompts]
+        k = self.cfg.train.eval_samples_per_prompt
+        prompts = [encode_prompt(self.tokenizer, r.prompt, raw_prompt=not self.cfg.data.chat_template) for r in rows]
+        groups = self.engine.generate(prompts, k, self.params)
+        texts = [self.tokenizer.decode(s.output_ids, skip_special_tokens=True) for g in groups for s in g]
+        truths = [r.ground_truth for r, g in zip(rows, groups) for _ in g]
+        verdicts = self.reward_pool.score(texts, truths)
+        return {f"eval_avg@{k}": sum(v.correct for v in verdicts) / len(verdicts)}
+
+    def save_checkpoint(self) -> None:
+        extra = {"step": self.step_index, "sampler": self.sampler.state_dict() if self.driver else None,
+                 "config": self.cfg.to_dict()}
+        box = [extra]
+        dist.broadcast_object_list(box, src=0)  # the driver's data position goes in
+        save_trainer_checkpoint(self.checkpoint_root, self.step_index, self.policy, box[0],
+                                keep_last=self.cfg.train.keep_last)
+
+    def train(self) -> dict[str, float]:
+        """Run until train.steps; returns the last step's metrics (on the driver)."""
+        from tqdm import tqdm
+
+        cfg = self.cfg.train
+        metrics: dict[str, float] = {}
+        bar = tqdm(total=cfg.steps, initial=self.step_index, desc="dapo", disable=not self.driver)
+        while self.step_index < cfg.steps:
+            metrics = self.step()
+            if cfg.eval_every and self.step_index % cfg.eval_every == 0 and self.driver:
+                metrics.update(self.evaluate())
+            if self.driver:
+                self.metrics.log(self.step_index, metrics)
+                bar.set_postfix(acc=f"{metrics.get('accuracy', math.nan):.2f}",
+                                kept=f"{metrics.get('groups_kept', 0):.0f}")
+                bar.update(1)
+            done = self.step_index == cfg.steps
+            if done or (cfg.checkpoint_every and self.step_index % cfg.checkpoint_every == 0):
+                self.save_checkpoint()
+        bar.close()
+        return metrics
+
+    def close(self) -> None:
+        if self.syncer is not None:
+            self.syncer.close()
+        if self.driver:
+            self.engine_close()
+            self.reward_pool.close()
+            self.metrics.close()
+        shutdown_runtime()
+
+    def engine_close(self) -> None:
+        close = getattr(self.engine, "close", None)
+        if close is not None:
+            close()
+
+
+def run_training(cfg: DapoConfig) -> int:
+    trainer = DapoTrainer(cfg)
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    return 0

@@ -1,0 +1,88 @@
+"""The run's YAML config: the paper's defaults, overrides, and a clear error naming the key for every bad value."""
+
+from pathlib import Path
+
+import pytest
+
+from megatron_dapo.config import ConfigError
+from megatron_dapo.run_config import config_from_dict, load_config
+
+ROOT = Path(__file__).resolve().parent.parent
+MINIMAL = {"model": {"path": "m"}, "data": {"train_path": "d.parquet"}}
+
+
+def test_defaults_are_the_papers():
+    cfg = config_from_dict(MINIMAL)
+    assert (cfg.loss.eps_low, cfg.loss.eps_high, cfg.loss.kl_coef) == (0.2, 0.28, 0.0)
+    assert cfg.algorithm.group_size == 16 and cfg.algorithm.batch_size == 512
+    assert (cfg.optim.lr, cfg.optim.warmup_steps) == (1e-6, 20)
+    assert (cfg.algorithm.max_response_len, cfg.algorithm.overlong_cache_len) == (20480, 4096)
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (ROOT / "launch" / "configs").glob("*.yaml")))
+def test_shipped_configs_load(name):
+    load_config(ROOT / "launch" / "configs" / name)
+
+
+def test_overrides_are_read_as_yaml():
+    cfg = config_from_dict(MINIMAL, ["optim.lr=2e-6", "loss.dual_clip_c=3", "rollout.server_urls=[http://a:1]",
+                                     "loss.tis_cap=null", "train.tensorboard=false"])
+    assert cfg.optim.lr == 2e-6 and cfg.loss.dual_clip_c == 3.0 and cfg.rollout.server_urls == ["http://a:1"]
+    assert cfg.loss.tis_cap is None and cfg.train.tensorboard is False
+
+
+@pytest.mark.parametrize("override,key", [
+    ("loss.eps_hgh=0.3", "loss.eps_hgh: unknown key; did you mean loss.eps_high?"),
+    ("trainer.steps=3", "trainer: unknown key"),
+    ("loss.eps_low=1.5", "loss.eps_low"),
+    ("loss.eps_high=-0.1", "loss.eps_high"),
+    ("loss.dual_clip_c=0.5", "loss.dual_clip_c"),
+    ("loss.kl_type=k2", "loss.kl_type"),
+    ("loss.tis_cap=0.5", "loss.tis_cap"),
+    ("optim.lr=0", "optim.lr"),
+    ("optim.lr=fast", "optim.lr: must be float"),
+    ("optim.warmup_steps=-1", "optim.warmup_steps"),
+    ("algorithm.group_size=1", "algorithm.group_size"),
+    ("algorithm.batch_size=0", "algorithm.batch_size"),
+    ("algorithm.oversample_factor=0.5", "algorithm.oversample_factor"),
+    ("algorithm.overlong_cache_len=30000", "algorithm.overlong_cache_len"),
+    ("rollout.engine=vllm", "rollout.engine"),
+    ("rollout.temperature=0", "rollout.temperature"),
+    ("rollout.top_p=2", "rollout.top_p"),
+    ("rollout.weight_sync=nfs", "rollout.weight_sync"),
+    ("rollout.server_urls=http://a", "rollout.server_urls: must be a list"),
+    ("reward.timeout_s=0", "reward.timeout_s"),
+    ("reward.num_workers=0", "reward.num_workers"),
+    ("parallel.tensor_parallel=0", "parallel.tensor_parallel"),
+    ("parallel.device=tpu", "parallel.device"),
+    ("parallel.context_parallel=2", "parallel.context_parallel"),
+    ("train.steps=0", "train.steps"),
+    ("train.keep_last=0", "train.keep_last"),
+    ("train.resume=maybe", "train.resume: must be bool"),
+    ("model.path=", "model.path"),
+    ("data.train_path=", "data.train_path"),
+])
+def test_bad_values_name_their_key(override, key):
+    with pytest.raises(ConfigError, match=key.replace("?", r"\?").replace("[", r"\[")):
+        config_from_dict(MINIMAL, [override])
+
+
+@pytest.mark.parametrize("overrides,key", [
+    (["rollout.engine=local", "parallel.tensor_parallel=2"], "rollout.engine"),
+    (["rollout.weight_sync=tensor", "rollout.num_servers=2"], "rollout.weight_sync"),
+    (["train.updates_per_step=20", "algorithm.batch_size=2", "algorithm.group_size=4"], "train.updates_per_step"),
+])
+def test_bad_combinations_name_a_key(overrides, key):
+    with pytest.raises(ConfigError, match=key):
+        config_from_dict(MINIMAL, overrides)
+
+
+def test_bad_files(tmp_path):
+    with pytest.raises(ConfigError, match="no such config file"):
+        load_config(tmp_path / "missing.yaml")
+    (tmp_path / "bad.yaml").write_text("model: [unclosed")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(tmp_path / "bad.yaml")
+    (tmp_path / "list.yaml").write_text("model: 3\n")
+    with pytest.raises(ConfigError, match="model: must be a mapping"):
+        load_config(tmp_path / "list.yaml")
