@@ -79,7 +79,8 @@ def _spec():
 def test_buckets_are_bounded_ordered_and_exact(monkeypatch):
     spec = _spec()
     g = torch.Generator().manual_seed(0)
-    tensors = [(n, torch.randn(hf_shape(n, spec), generator=g)) for m in megatron_names(spec) for n in hf_names(m, spec)]
+    names = [n for m in megatron_names(spec) for n in hf_names(m, spec)]
+    tensors = [(n, torch.randn(hf_shape(n, spec), generator=g)) for n in names]
     monkeypatch.setattr(buckets, "iter_hf_tensors", lambda *a: iter(tensors))
     monkeypatch.setattr(buckets.dist, "get_rank", lambda: 0)
     bucket_bytes = 40_000

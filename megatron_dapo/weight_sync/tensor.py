@@ -6,12 +6,13 @@ data crosses HTTP. The server must run on the same machine as trainer rank 0.
 
 On the CPU, the handles need torch's "file_system" sharing strategy (the default one passes file
 descriptors with an auth key SGLang's scheduler does not hold, and the scheduler dies). The strategy
-is process-wide and starts a `torch_shm_manager` daemon that lives as long as its clients; see
-`shm_manager_pids` for ending it.
+is process-wide and starts a `torch_shm_manager` daemon that lives as long as its clients (the
+servers among them); it is ended when this process exits.
 """
 
 from __future__ import annotations
 
+import atexit
 import base64
 import io
 import os
@@ -45,10 +46,20 @@ def serialize(named_tensors: list[tuple[str, torch.Tensor]]) -> str:
     return base64.b64encode(buf.getvalue()).decode()
 
 
-def shm_manager_pids() -> list[int]:
-    """The torch_shm_manager daemons this process started (CPU sharing), for a clean shutdown."""
-    me = psutil.Process()
-    return [p.pid for p in me.children(recursive=True) if p.name() == "torch_shm_manager"]
+def _end_shm_managers() -> None:
+    """End the torch_shm_manager daemons this process started."""
+    for child in psutil.Process().children(recursive=True):
+        if child.name() == "torch_shm_manager":
+            os.kill(child.pid, signal.SIGTERM)
+
+
+def use_file_system_sharing() -> None:
+    """Share CPU tensors by file name, and end the manager that starts when this process exits: the
+    servers hold a connection to it, so it would outlive us and keep our stdout open. (Ending it any
+    earlier breaks this process's later shares, which reuse its connection.)"""
+    if torch.multiprocessing.get_sharing_strategy() != "file_system":
+        torch.multiprocessing.set_sharing_strategy("file_system")
+        atexit.register(_end_shm_managers)
 
 
 class TensorSyncer:
@@ -59,8 +70,8 @@ class TensorSyncer:
         self.urls, self.spec, self.parallel = list(server_urls), spec, parallel
         self.bucket_bytes, self.timeout_s = bucket_bytes, timeout_s
         self.tp_sizes = [server_tp_size(u) for u in self.urls] if dist.get_rank() == 0 else []
-        if parallel.device == "cpu":
-            torch.multiprocessing.set_sharing_strategy("file_system")
+        if parallel.device == "cpu" and dist.get_rank() == 0:
+            use_file_system_sharing()
 
     def sync(self, model: torch.nn.Module, version: str) -> SyncMetrics | None:
         start = time.perf_counter()
@@ -84,8 +95,5 @@ class TensorSyncer:
         return SyncMetrics(nbytes, time.perf_counter() - start) if rank0 else None
 
     def close(self) -> None:
-        """End the shared-memory manager the CPU handles started (the bucket buffer died with the sync,
-        and the servers keep what they copied); left running it would outlive this process."""
-        if self.parallel.device == "cpu" and dist.get_rank() == 0:
-            for pid in shm_manager_pids():
-                os.kill(pid, signal.SIGTERM)
+        """Nothing to release: each sync's bucket buffer died with it (the shared-memory manager stays
+        until this process exits: this process's later shares go through it)."""
