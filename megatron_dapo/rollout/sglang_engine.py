@@ -1,46 +1,424 @@
-"""The Engine interface over SGLang's HTTP API (/generate with n samples per prompt)."""
+"""The Engine interface over one or more SGLang servers' HTTP API, surviving a server that dies mid-rollout.
+
+A group (the n samples of one prompt) is one /generate call carrying n copies of the prompt under one
+request id of ours, which SGLang extends to `<id>_<j>` for sample j: its own n > 1 path gives the samples
+random ids, and an abort must name them (sglang-router passes only a single id through). A call
+comes back whole or fails whole, and only whole groups are handed out, each once: a group whose call
+failed is sent again, under new ids, and never returned twice.
+
+When a call fails the engine asks whether its server is still there (its process, then /health). If it
+is, the failure was transient: wait (exponential backoff) and try again. If not, the server is restarted
+(an `SGLangServer` the engine was given) or waited for (a bare URL), `on_server_restart(url)` puts the
+trainer's latest weights back into it, and the failed groups go again. Both are bounded: a group is
+tried `max_attempts` times, a server restarted `max_server_restarts` times in a row.
+"""
 
 from __future__ import annotations
 
+import http.client
+import queue
+import threading
+import time
+import urllib.error
+import uuid
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 from megatron_dapo.rollout.engine import Sample, SamplingParams
-from megatron_dapo.rollout.sglang_server import health_ok, post_json
+from megatron_dapo.rollout.router import SGLangRouter
+from megatron_dapo.rollout.sglang_server import (SGLangServer, SGLangServerConfig, ServerError, health_ok, post_json,
+                                                 wait_until)
+
+ROUTER_MIN_SERVERS = 4  # `launch` puts this many servers or more behind sglang-router
+ABORT_TIMEOUT_S = 5.0
+
+
+class RolloutError(RuntimeError):
+    """A group could not be sampled (the server refused it, or every try failed)."""
+
+
+class _Server:
+    """One SGLang server as the engine sees it. `generation` counts its restarts: a failure seen in an
+    older generation has been dealt with already."""
+
+    def __init__(self, url: str, process: SGLangServer | None):
+        self.url = url.rstrip("/")
+        self.process = process
+        self.lock = threading.Lock()  # held while it is being restarted / waited for
+        self.generation = 0
+        self.in_flight = 0
+        self.restarts_in_a_row = 0
 
 
 class SGLangEngine:
-    def __init__(self, url: str, *, max_in_flight: int = 32, request_timeout_s: float = 600.0):
-        self.url = url.rstrip("/")
+    """Samples groups from SGLang servers. `servers`: URLs of running servers (re-attached when they come
+    back after a failure) and / or `SGLangServer`s (restarted when they die); groups go to the least busy.
+    With `router` (sglang-router in front of all of them) /generate goes through it instead, and the engine
+    aborts, restarts and waits for the router to take a restarted server back."""
+
+    def __init__(self, servers: str | SGLangServer | Sequence[str | SGLangServer], *, max_in_flight: int = 32,
+                 request_timeout_s: float = 600.0, max_attempts: int = 4, retry_backoff_s: float = 1.0,
+                 max_server_restarts: int = 3, reattach_timeout_s: float = 600.0,
+                 on_server_restart: Callable[[str], None] | None = None, router: SGLangRouter | None = None):
+        if isinstance(servers, (str, SGLangServer)):
+            servers = [servers]
+        if not servers:
+            raise ValueError("SGLangEngine(servers=[]): give at least one server URL or SGLangServer")
+        self.servers = []
+        for s in servers:
+            if isinstance(s, SGLangServer):
+                self.servers.append(_Server(s.url, s))
+            elif isinstance(s, str) and s.startswith(("http://", "https://")):
+                self.servers.append(_Server(s, None))
+            else:
+                raise ValueError(f"SGLangEngine(servers=...): {s!r} is neither an SGLangServer nor an http:// URL")
+        for name, value, low in [("max_in_flight", max_in_flight, 1), ("max_attempts", max_attempts, 1),
+                                 ("max_server_restarts", max_server_restarts, 0)]:
+            if not isinstance(value, int) or value < low:
+                raise ValueError(f"SGLangEngine({name}={value!r}): must be a whole number >= {low}")
+        for name, value in [("request_timeout_s", request_timeout_s), ("retry_backoff_s", retry_backoff_s),
+                            ("reattach_timeout_s", reattach_timeout_s)]:
+            if not value > 0:
+                raise ValueError(f"SGLangEngine({name}={value!r}): must be > 0")
+        self.router = router
         self.max_in_flight = max_in_flight
         self.timeout = request_timeout_s
+        self.max_attempts = max_attempts
+        self.retry_backoff_s = retry_backoff_s
+        self.max_server_restarts = max_server_restarts
+        self.reattach_timeout_s = reattach_timeout_s
+        self.on_server_restart = on_server_restart
+        self.restarts = 0  # servers restarted or re-attached over the engine's life
+        self._slots = threading.BoundedSemaphore(max_in_flight)
+        self._pick_lock = threading.Lock()
+        self._router_lock = threading.Lock()
+        self._launched: list = []  # processes `launch` started, stopped by `close`
+
+    @classmethod
+    def launch(cls, configs: Sequence[SGLangServerConfig], log_dir, *, use_router: bool | None = None,
+               **engine_kwargs) -> SGLangEngine:
+        """Start one server per config (all at once) and, when asked or when there are `ROUTER_MIN_SERVERS`
+        or more, sglang-router in front of them; `close` stops them all."""
+        log_dir = Path(log_dir)
+        procs = [SGLangServer(c, log_dir / f"sglang_{i}.log") for i, c in enumerate(configs)]
+        started = []
+        try:
+            for p in procs:
+                started.append(p.start())
+            for p in procs:
+                p.wait_healthy()
+            router = None
+            if use_router if use_router is not None else len(procs) >= ROUTER_MIN_SERVERS:
+                router = SGLangRouter([p.url for p in procs], log_dir / "router.log", host=procs[0].host)
+                started.append(router.start())
+                router.wait_healthy()
+        except BaseException:
+            for p in started:
+                p.stop()
+            raise
+        engine = cls(procs, router=router, **engine_kwargs)
+        engine._launched = started
+        return engine
+
+    def close(self) -> None:
+        """Stop the processes `launch` started (servers given by the caller are theirs to stop)."""
+        for p in reversed(self._launched):
+            p.stop()
+        self._launched = []
+
+    def __enter__(self) -> SGLangEngine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def healthy(self) -> bool:
-        return health_ok(self.url)
+        return (self.router is None or self.router.healthy()) and all(health_ok(s.url) for s in self.servers)
 
-    def _payload(self, prompt: list[int], n: int, params: SamplingParams) -> dict:
-        sampling = {"n": n, "temperature": params.temperature, "top_p": params.top_p,
+    def stream(self, prompts: list[list[int]], n: int, params: SamplingParams) -> SGLangGroupStream:
+        _check_request(prompts, n, params)
+        return SGLangGroupStream(self, prompts, n, params)
+
+    def generate(self, prompts: list[list[int]], n: int, params: SamplingParams) -> list[list[Sample]]:
+        groups: list[list[Sample] | None] = [None] * len(prompts)
+        for group in self.stream(prompts, n, params):
+            groups[group[0].prompt_index] = group
+        return groups
+
+    # --- one group on one server ---------------------------------------------------------------------
+
+    def _pick(self) -> _Server | None:
+        """The least busy server not being restarted, or None when all are."""
+        with self._pick_lock:
+            ready = [s for s in self.servers if not s.lock.locked()]
+            if not ready:
+                return None
+            server = min(ready, key=lambda s: s.in_flight)
+            server.in_flight += 1
+            return server
+
+    def _release(self, server: _Server) -> None:
+        with self._pick_lock:
+            server.in_flight -= 1
+
+    def _post_group(self, server: _Server, prompt: list[int], n: int, params: SamplingParams,
+                    rid: str) -> list | dict:
+        sampling = {"temperature": params.temperature, "top_p": params.top_p,
                     "max_new_tokens": params.max_new_tokens, "ignore_eos": params.ignore_eos}
         if params.stop_token_ids:
             sampling["stop_token_ids"] = list(params.stop_token_ids)
-        return {"input_ids": prompt, "sampling_params": sampling, "return_logprob": True}
+        payload = {"input_ids": [prompt] * n, "sampling_params": sampling, "rid": rid, "return_logprob": True}
+        return post_json(f"{(self.router or server).url}/generate", payload, self.timeout)
 
-    def _group(self, index: int, prompt: list[int], n: int, params: SamplingParams) -> list[Sample]:
-        out = post_json(f"{self.url}/generate", self._payload(prompt, n, params), self.timeout)
-        items = out if isinstance(out, list) else [out]
-        if len(items) != n:
-            raise RuntimeError(f"SGLang returned {len(items)} samples for prompt {index}, asked for {n}")
-        samples = []
-        for item in items:
-            meta = item["meta_info"]
-            ids = list(item["output_ids"])
-            logprobs = [float(lp) for lp, _, _ in meta["output_token_logprobs"]]
-            if len(logprobs) != len(ids):
-                raise RuntimeError(f"SGLang returned {len(logprobs)} log-probs for {len(ids)} tokens")
-            samples.append(Sample(index, ids, logprobs, meta["finish_reason"]["type"],
-                                  str(meta.get("weight_version", ""))))
-        return samples
+    def _abort(self, in_flight: list[tuple[_Server, list[str]]]) -> None:
+        """Abort these calls on their servers (best effort). Through a router a call may be on any server;
+        an id a server does not hold is ignored there."""
+        calls = [(t.url, rid) for server, rids in in_flight for t in (self.servers if self.router else [server])
+                 for rid in rids]
+        with ThreadPoolExecutor(max_workers=16) as pool:
+            list(pool.map(_abort_one, calls))
 
-    def generate(self, prompts: list[list[int]], n: int, params: SamplingParams) -> list[list[Sample]]:
-        with ThreadPoolExecutor(max_workers=min(self.max_in_flight, max(1, len(prompts)))) as pool:
-            futures = [pool.submit(self._group, i, p, n, params) for i, p in enumerate(prompts)]
-            return [f.result() for f in futures]
+    def _server_alive(self, server: _Server) -> bool:
+        if server.process is not None and not server.process.alive():
+            return False
+        for _ in range(3):  # a busy server can be slow to answer /health: ask a few times
+            if health_ok(server.url, timeout=20.0):
+                return True
+            time.sleep(2.0)
+        return False
+
+    def _heal(self, failed: list[_Server], generations: list[int]) -> bool:
+        """After a failed call: restart / re-attach each of `failed` that is gone (unless another thread has
+        already, in a later generation). True if one was; False if all are up (a transient failure)."""
+        healed = False
+        for server, generation in zip(failed, generations):
+            with server.lock:
+                if server.generation != generation:
+                    healed = True
+                    continue
+                if self._server_alive(server):
+                    continue
+                self._bring_back(server)
+                healed = True
+        return healed
+
+    def _heal_router(self) -> None:
+        """Restart the router if it has exited."""
+        if self.router is not None:
+            with self._router_lock:
+                if not self.router.alive():
+                    self.router.restart()
+
+    def _wait_router_ready(self) -> None:
+        """After a server came back: the router routes to it again once its health checks pass."""
+        if self.router is not None and not wait_until(self.router.healthy, self.reattach_timeout_s):
+            raise ServerError(f"sglang-router {self.router.url} did not take the restarted server back within "
+                              f"reattach_timeout_s={self.reattach_timeout_s:.0f} s; log {self.router.log_path}:\n"
+                              f"{self.router.log_tail()}")
+
+    def _bring_back(self, server: _Server) -> None:
+        server.restarts_in_a_row += 1
+        if server.restarts_in_a_row > self.max_server_restarts:
+            tail = f"; log {server.process.log_path}:\n{server.process.log_tail()}" if server.process else ""
+            raise ServerError(f"SGLang server {server.url} is down again after {self.max_server_restarts} restarts "
+                              f"in a row with no group completed in between (max_server_restarts="
+                              f"{self.max_server_restarts}); giving up{tail}")
+        if server.process is not None:
+            server.process.restart()
+        elif not wait_until(lambda: health_ok(server.url), self.reattach_timeout_s):
+            raise ServerError(f"SGLang server {server.url} stopped answering and was not back within "
+                              f"reattach_timeout_s={self.reattach_timeout_s:.0f} s; restart it, or give the engine "
+                              f"an SGLangServer so it can restart it itself")
+        if self.on_server_restart is not None:
+            self.on_server_restart(server.url)
+        server.generation += 1
+        self.restarts += 1
+
+
+class SGLangGroupStream:
+    """Groups of one `SGLangEngine.stream` call, handed out as they complete. Worker threads (no more
+    than the engine's `max_in_flight` calls at once, over all streams) each send one group at a time."""
+
+    def __init__(self, engine: SGLangEngine, prompts: list[list[int]], n: int, params: SamplingParams):
+        self.engine, self.prompts, self.n, self.params = engine, prompts, n, params
+        self.id = f"dapo-{uuid.uuid4().hex}"
+        self.resubmitted = 0  # group calls sent again after a failure
+        self._lock = threading.Lock()
+        self._pending = deque(range(len(prompts)))
+        self._in_flight: dict[int, tuple[_Server, list[str]]] = {}
+        self._done: queue.Queue = queue.Queue()
+        self._remaining = len(prompts)
+        self._aborted = False
+        self._error: BaseException | None = None
+        self._workers = [threading.Thread(target=self._work, name=f"{self.id}-w{i}", daemon=True)
+                         for i in range(min(engine.max_in_flight, len(prompts)))]
+        for w in self._workers:
+            w.start()
+
+    def __iter__(self) -> Iterator[list[Sample]]:
+        while self._remaining > 0:
+            group = None if self._aborted else self._done.get()
+            if group is None:  # aborted: by the consumer, or by a group that could not be sampled
+                if self._error is not None:
+                    raise self._error
+                return
+            self._remaining -= 1
+            yield group
+
+    def __enter__(self) -> SGLangGroupStream:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.abort()
+
+    def abort(self) -> None:
+        with self._lock:
+            if self._aborted:
+                return
+            self._aborted = True
+            self._pending.clear()
+            in_flight = list(self._in_flight.values())
+        if in_flight:
+            self.engine._abort(in_flight)
+        self._done.put(None)
+
+    def _fail(self, error: BaseException) -> None:
+        with self._lock:
+            if not self._aborted and self._error is None:
+                self._error = error
+        self.abort()
+
+    def _work(self) -> None:
+        while True:
+            with self._lock:
+                if self._aborted or not self._pending:
+                    return
+                index = self._pending.popleft()
+            try:
+                group = self._sample(index)
+            except BaseException as e:  # noqa: BLE001 -- handed to the consumer, who raises it
+                self._fail(e)
+                return
+            if group is not None:
+                self._done.put(group)
+
+    def _sample(self, index: int) -> list[Sample] | None:
+        """One group, tried until it comes back whole; None if the stream was aborted meanwhile."""
+        engine = self.engine
+        error: BaseException | None = None
+        for attempt in range(engine.max_attempts):
+            server = self._claim_slot()
+            if server is None:
+                return None
+            generation = server.generation
+            rid = f"{self.id}-p{index}-a{attempt}"
+            rids = [f"{rid}_{j}" for j in range(self.n)]  # SGLang's names for the samples of a batch call
+            try:
+                with self._lock:
+                    if self._aborted:
+                        return None
+                    self._in_flight[index] = (server, rids)
+                out = engine._post_group(server, self.prompts[index], self.n, self.params, rid)
+                error = None
+            except urllib.error.HTTPError as e:
+                out, error = None, e
+                if e.code < 500 and e.code != 429 and not self._aborted:
+                    raise RolloutError(f"SGLang refused the group of prompt {index} ({e.code}): "
+                                       f"{_error_body(e)}") from e
+            except (OSError, http.client.HTTPException) as e:  # refused, reset, cut short, timed out
+                out, error = None, e
+            finally:
+                with self._lock:
+                    self._in_flight.pop(index, None)
+                engine._release(server)
+                engine._slots.release()
+            if self._aborted:
+                return None
+            if error is None:
+                samples = _parse_group(index, out, self.n)
+                if samples is not None:
+                    server.restarts_in_a_row = 0
+                    return samples
+                error = RolloutError("the server aborted it")  # not at our request: e.g. it was paused
+            engine._abort([(server, rids)])  # a call that timed out may still be running there
+            if attempt + 1 < engine.max_attempts:
+                self.resubmitted += 1
+                self._recover(server, generation, attempt)
+        raise RolloutError(f"the group of prompt {index} failed {engine.max_attempts} times (max_attempts); "
+                           f"last error: {error!r}") from error
+
+    def _recover(self, server: _Server, generation: int, attempt: int) -> None:
+        """Before trying a failed group again: bring back what died, else back off."""
+        engine = self.engine
+        engine._heal_router()
+        # Through a router any server may have held the call: check them all.
+        suspects = engine.servers if engine.router else [server]
+        generations = [generation if s is server else s.generation for s in suspects]
+        if engine._heal(suspects, generations):
+            engine._wait_router_ready()
+        else:
+            time.sleep(min(engine.retry_backoff_s * 2 ** attempt, 30.0))
+
+    def _claim_slot(self) -> _Server | None:
+        """Wait for an in-flight slot and a server that is up; None once the stream is aborted."""
+        engine = self.engine
+        while not engine._slots.acquire(timeout=0.5):
+            if self._aborted:
+                return None
+        while not self._aborted:
+            server = engine._pick()
+            if server is not None:
+                return server
+            time.sleep(0.5)  # every server is being restarted
+        engine._slots.release()
+        return None
+
+
+def _check_request(prompts, n, params) -> None:
+    if not isinstance(params, SamplingParams):
+        raise TypeError(f"params: expected SamplingParams, got {type(params).__name__}")
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ValueError(f"n: the group size must be a whole number >= 1, got {n!r}")
+    if not isinstance(prompts, (list, tuple)):
+        raise TypeError(f"prompts: expected a list of token-id lists, got {type(prompts).__name__}")
+    for i, p in enumerate(prompts):
+        if not isinstance(p, (list, tuple)) or not p:
+            raise ValueError(f"prompts[{i}]: expected a non-empty list of token ids, got {p!r:.80}")
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in p):
+            raise ValueError(f"prompts[{i}]: token ids must be ints >= 0, got {p!r:.80}")
+
+
+def _parse_group(index: int, out, n: int) -> list[Sample] | None:
+    """The n samples of one call, or None if the server aborted any of them."""
+    items = out if isinstance(out, list) else [out]
+    if len(items) != n:
+        raise RolloutError(f"SGLang returned {len(items)} samples for prompt {index}, asked for {n}")
+    samples = []
+    for item in items:
+        meta = item["meta_info"]
+        reason = meta["finish_reason"]["type"]
+        if reason == "abort":
+            return None
+        ids = list(item["output_ids"])
+        logprobs = [float(lp) for lp, _, _ in meta["output_token_logprobs"]]
+        if len(logprobs) != len(ids):
+            raise RolloutError(f"SGLang returned {len(logprobs)} log-probs for {len(ids)} tokens (prompt {index})")
+        samples.append(Sample(index, ids, logprobs, reason, str(meta.get("weight_version", ""))))
+    return samples
+
+
+def _abort_one(call: tuple[str, str]) -> None:
+    url, rid = call
+    try:
+        post_json(f"{url}/abort_request", {"rid": rid}, ABORT_TIMEOUT_S)
+    except (OSError, http.client.HTTPException):
+        pass  # a server that is gone has nothing left to abort
+
+
+def _error_body(e: urllib.error.HTTPError) -> str:
+    try:
+        return e.read().decode(errors="replace")[:1000]
+    except OSError:
+        return "(no body)"

@@ -1,4 +1,4 @@
-"""Start, watch and stop a real SGLang server process (`python -m sglang.launch_server`).
+"""Start, watch, restart and stop a real SGLang server process (`python -m sglang.launch_server`).
 
 On the CPU it gets the flags SGLang's CPU path needs and the sgl_kernel stand-in on its PYTHONPATH;
 on GPUs it runs stock. It binds to 127.0.0.1 unless told otherwise, writes its log to a file, and
@@ -15,6 +15,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -50,41 +51,47 @@ def health_ok(url: str, timeout: float = 5.0) -> bool:
         return False
 
 
-def post_json(url: str, payload: dict, timeout: float) -> dict | list:
+def wait_until(check: Callable[[], bool], timeout_s: float, poll_s: float = 1.0) -> bool:
+    """Poll `check()` until it is True (True), or `timeout_s` has passed (False)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(poll_s)
+    return False
+
+
+def post_json(url: str, payload: dict, timeout: float) -> dict | list | None:
+    """POST `payload` as JSON; the JSON answer, or None when the answer is empty (e.g. /abort_request)."""
     req = urllib.request.Request(url, data=json.dumps(payload).encode(), headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=timeout) as resp:
-        return json.loads(resp.read())
+        body = resp.read()
+    return json.loads(body) if body.strip() else None
 
 
-class SGLangServer:
-    def __init__(self, config: SGLangServerConfig, log_path):
-        self.config = config
+class ServerProcess:
+    """An HTTP server run as a child process in its own process group, with its log in a file."""
+
+    name = "server"
+
+    def __init__(self, host: str, port: int | None, log_path, startup_timeout_s: float):
+        self.host = host
+        self.port = port or free_port(host)
         self.log_path = Path(log_path)
-        self.port = config.port or free_port(config.host)
+        self.startup_timeout_s = startup_timeout_s
         self.proc: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
-        return f"http://{self.config.host}:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     def command(self) -> list[str]:
-        c = self.config
-        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", c.model_path, "--host", c.host,
-               "--port", str(self.port), "--tp-size", str(c.tensor_parallel), "--dtype", c.dtype]
-        if c.max_total_tokens:
-            cmd += ["--max-total-tokens", str(c.max_total_tokens)]
-        if c.device == "cpu":
-            cmd += CPU_FLAGS
-        return cmd + list(c.extra_args)
+        raise NotImplementedError
 
     def environment(self) -> dict[str, str]:
-        env = dict(os.environ)
-        if self.config.device == "cpu":
-            env["SGLANG_USE_CPU_ENGINE"] = "1"  # without it SGLang does not take its CPU path
-            env["PYTHONPATH"] = os.pathsep.join(p for p in (str(CPU_SHIM), env.get("PYTHONPATH")) if p)
-        return env
+        return dict(os.environ)
 
-    def start(self) -> SGLangServer:
+    def start(self):
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = self.log_path.open("ab")
         self.proc = subprocess.Popen(self.command(), env=self.environment(), stdout=log, stderr=subprocess.STDOUT,
@@ -101,26 +108,31 @@ class SGLangServer:
     def healthy(self, timeout: float = 5.0) -> bool:
         return health_ok(self.url, timeout)
 
-    def wait_healthy(self) -> SGLangServer:
-        deadline = time.monotonic() + self.config.startup_timeout_s
+    def wait_healthy(self):
+        deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
             if self.proc is not None and self.proc.poll() is not None:
-                raise ServerError(f"SGLang server exited with {self.proc.returncode} while starting; log "
+                raise ServerError(f"{self.name} exited with {self.proc.returncode} while starting; log "
                                   f"{self.log_path}:\n{self.log_tail()}")
             if self.healthy():
                 return self
             time.sleep(1.0)
         self.stop()
-        raise ServerError(f"SGLang server not healthy after {self.config.startup_timeout_s:.0f} s; log "
+        raise ServerError(f"{self.name} not healthy after {self.startup_timeout_s:.0f} s; log "
                           f"{self.log_path}:\n{self.log_tail()}")
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
+    def restart(self):
+        """Stop whatever is left of it, then start it again on the same host and port."""
+        self.stop()
+        return self.start().wait_healthy()
+
     def stop(self, grace_s: float = 10.0) -> None:
         if self.proc is None:
             return
-        group = self.proc.pid  # its own session: the group holds the scheduler and detokenizer too
+        group = self.proc.pid  # its own session: the group holds every process it started
         try:
             os.killpg(group, signal.SIGTERM)
             self.proc.wait(timeout=grace_s)
@@ -135,8 +147,36 @@ class SGLangServer:
         self.proc.wait()
         self.proc = None
 
-    def __enter__(self) -> SGLangServer:
+    def __enter__(self):
         return self.start().wait_healthy()
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+class SGLangServer(ServerProcess):
+    name = "SGLang server"
+
+    def __init__(self, config: SGLangServerConfig, log_path):
+        super().__init__(config.host, config.port, log_path, config.startup_timeout_s)
+        self.config = config
+
+    def command(self) -> list[str]:
+        c = self.config
+        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", c.model_path, "--host", self.host,
+               "--port", str(self.port), "--tp-size", str(c.tensor_parallel), "--dtype", c.dtype]
+        if c.max_total_tokens:
+            cmd += ["--max-total-tokens", str(c.max_total_tokens)]
+        if c.device == "cpu":
+            cmd += CPU_FLAGS
+        return cmd + list(c.extra_args)
+
+    def environment(self) -> dict[str, str]:
+        env = dict(os.environ)
+        # Log-probs at temperature 1, whatever the sampling temperature: what the policy recomputes (and the
+        # local engine returns). SGLang's default is log_softmax(logits / temperature).
+        env["SGLANG_RETURN_ORIGINAL_LOGPROB"] = "1"
+        if self.config.device == "cpu":
+            env["SGLANG_USE_CPU_ENGINE"] = "1"  # without it SGLang does not take its CPU path
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (str(CPU_SHIM), env.get("PYTHONPATH")) if p)
+        return env
