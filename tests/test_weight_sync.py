@@ -6,6 +6,8 @@ original weights, syncs, and samples again; the cases below read that run's reco
 
 import json
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -109,3 +111,32 @@ def test_bad_routes_and_sizes_are_refused_by_name(tmp_path):
         make_weight_syncer("distributed", ["http://127.0.0.1:1"], spec, parallel, {}, bucket_mb=0)
     with pytest.raises(ValueError, match="work_dir is required for the disk route"):
         make_weight_syncer("disk", ["http://127.0.0.1:1"], spec, parallel, {})
+
+
+# Last among the server tests: it restarts the shared server.
+@pytest.mark.slow
+def test_the_distributed_route_forms_its_group_anew_after_a_server_restart(server, tmp_path):
+    srv, root = server
+    failures = []
+
+    def restart_when_synced():
+        try:
+            deadline = time.monotonic() + 600
+            while not (tmp_path / "SYNCED").exists() and time.monotonic() < deadline:
+                time.sleep(0.5)
+            srv.stop()
+            srv.start().wait_healthy()
+        except Exception as e:  # reported below; the worker then fails on its own
+            failures.append(e)
+        (tmp_path / "RESTARTED").touch()
+
+    restarter = threading.Thread(target=restart_when_synced, daemon=True)
+    restarter.start()
+    torchrun("weight_sync_restart_worker.py", 1, str(tmp_path / "out.json"), str(root / "model"), srv.url,
+             str(tmp_path))
+    restarter.join()
+    assert not failures, failures
+    r = json.loads((tmp_path / "out.json").read_text())
+    assert r["versions_first"] == ["1"] and r["first"] > 1e-3, r  # sampled before the second change
+    assert r["versions_restarted"] != ["1"] and r["restarted"] > 1e-3, r  # the restart lost the synced weights
+    assert r["versions_after"] == ["2"] and r["after"] < 1e-4, r

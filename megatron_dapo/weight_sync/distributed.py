@@ -10,6 +10,7 @@ Gathering first matters: a server that has entered the broadcast waits only on t
 
 from __future__ import annotations
 
+import logging
 import time
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from datetime import timedelta
@@ -22,7 +23,9 @@ from megatron_dapo.policy.hf_config import ModelSpec
 from megatron_dapo.runtime import free_port
 from megatron_dapo.weight_sync.buckets import iter_hf_buckets
 from megatron_dapo.weight_sync.metrics import SyncMetrics
-from megatron_dapo.weight_sync.server_calls import WeightUpdateError, call, call_all, call_each, server_tp_size
+from megatron_dapo.weight_sync.server_calls import WeightUpdateError, call_all, call_each, server_info
+
+log = logging.getLogger(__name__)
 
 
 def _join_as_rank0(backend: str, address: str, port: int, world_size: int, group_name: str,
@@ -53,33 +56,54 @@ class DistributedSyncer:
     """Collective over the trainer's ranks; only global rank 0 joins the weight group and sends.
 
     `master_address` is where the servers reach trainer rank 0 (127.0.0.1 when they share its machine).
+    A server that restarted since the group formed (its `startup_time` changed) left the group with its
+    old process: the next sync forms the group anew first.
     """
 
     def __init__(self, server_urls: list[str], spec: ModelSpec, parallel: ParallelConfig, bucket_bytes: int, *,
                  master_address: str = "127.0.0.1", timeout_s: float = 600.0):
         self.urls, self.spec, self.parallel = list(server_urls), spec, parallel
-        self.bucket_bytes, self.timeout_s = bucket_bytes, timeout_s
+        self.bucket_bytes, self.master_address, self.timeout_s = bucket_bytes, master_address, timeout_s
         self.group: dist.ProcessGroup | None = None
-        if dist.get_rank() != 0:
-            return
-        backend = "gloo" if parallel.device == "cpu" else "nccl"
-        tp_sizes = [server_tp_size(u) for u in self.urls]
+        self.group_name = ""
+        self.started: list[float] = []  # each server's startup_time when the group formed
+        if dist.get_rank() == 0:
+            self._form_group([server_info(u) for u in self.urls])
+
+    def _form_group(self, infos: list[dict]) -> None:
+        backend = "gloo" if self.parallel.device == "cpu" else "nccl"
+        tp_sizes = [int(i["tp_size"]) for i in infos]
         offsets = [1 + sum(tp_sizes[:i]) for i in range(len(tp_sizes))]
         world_size = 1 + sum(tp_sizes)
-        port = free_port(master_address)
-        self.group_name = f"megatron_dapo_weights_{port}"
+        port = free_port(self.master_address)
+        name = f"megatron_dapo_weights_{port}"
         pool = ThreadPoolExecutor(max_workers=len(self.urls) + 1)
         try:
             joins = call_each(pool, self.urls, "/init_weights_update_group",
-                              lambda i: {"master_address": master_address, "master_port": port,
+                              lambda i: {"master_address": self.master_address, "master_port": port,
                                          "rank_offset": offsets[i], "world_size": world_size,
-                                         "group_name": self.group_name, "backend": backend}, timeout_s)
-            mine = pool.submit(_join_as_rank0, backend, master_address, port, world_size, self.group_name,
-                               timedelta(seconds=timeout_s))
-            _settle([*joins, mine], f"forming the weight-update group at {master_address}:{port}")
-            self.group = mine.result()
+                                         "group_name": name, "backend": backend}, self.timeout_s)
+            mine = pool.submit(_join_as_rank0, backend, self.master_address, port, world_size, name,
+                               timedelta(seconds=self.timeout_s))
+            _settle([*joins, mine], f"forming the weight-update group at {self.master_address}:{port}")
         finally:
             pool.shutdown(wait=False)  # a join left waiting after a failure ends with its timeout
+        self.group, self.group_name = mine.result(), name
+        self.started = [i["startup_time"] for i in infos]
+
+    def _leave_group(self, urls: list[str]) -> None:
+        call_all(urls, "/destroy_weights_update_group", {"group_name": self.group_name}, self.timeout_s)
+        dist.destroy_process_group(self.group)
+        self.group = None
+
+    def _regroup_if_restarted(self) -> None:
+        infos = [server_info(u) for u in self.urls]
+        kept = [u for u, i, t in zip(self.urls, infos, self.started) if i["startup_time"] == t]
+        if len(kept) < len(self.urls):
+            log.warning("weight sync: %d server(s) restarted since the weight-update group formed; forming it anew",
+                        len(self.urls) - len(kept))
+            self._leave_group(kept)
+            self._form_group(infos)
 
     def _push(self, bucket, version: str) -> None:
         dtype = str(bucket.dtype).removeprefix("torch.")
@@ -99,6 +123,7 @@ class DistributedSyncer:
         rank0 = dist.get_rank() == 0
         nbytes = 0
         if rank0:
+            self._regroup_if_restarted()
             call_all(self.urls, "/begin_weight_update", {}, self.timeout_s)
         try:
             for bucket in iter_hf_buckets(model, self.spec, self.parallel, self.bucket_bytes):
@@ -112,8 +137,5 @@ class DistributedSyncer:
 
     def close(self) -> None:
         """Leave the weight group on both sides."""
-        if self.group is None:
-            return
-        call_all(self.urls, "/destroy_weights_update_group", {"group_name": self.group_name}, self.timeout_s)
-        dist.destroy_process_group(self.group)
-        self.group = None
+        if self.group is not None:
+            self._leave_group(self.urls)

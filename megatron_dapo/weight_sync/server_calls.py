@@ -38,6 +38,8 @@ def call_each(pool: ThreadPoolExecutor, urls: list[str], endpoint: str, payload:
 def call_all(urls: list[str], endpoint: str, payload: dict | Callable[[int], dict], timeout_s: float) -> None:
     """`endpoint` on every server at once (server i gets `payload` or `payload(i)`); raises the first
     failure after all have answered."""
+    if not urls:
+        return
     make = payload if callable(payload) else (lambda _: payload)
     with ThreadPoolExecutor(max_workers=len(urls)) as pool:
         futures = call_each(pool, urls, endpoint, make, timeout_s)
@@ -45,11 +47,20 @@ def call_all(urls: list[str], endpoint: str, payload: dict | Callable[[int], dic
         f.result()
 
 
-def server_tp_size(url: str, timeout_s: float = 30.0) -> int:
-    """How many tensor-parallel ranks (weight receivers) the server runs."""
+def server_info(url: str, timeout_s: float = 30.0) -> dict:
+    """The server's `/server_info`: its launch settings (`tp_size`) and `startup_time` among them."""
     target = f"{url.rstrip('/')}/server_info"
     try:
         with urllib.request.urlopen(target, timeout=timeout_s) as resp:
-            return int(json.loads(resp.read())["tp_size"])
-    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError, KeyError, ValueError) as e:
-        raise WeightUpdateError(f"{target}: cannot read the server's tp_size: {e}") from None
+            info = json.loads(resp.read())
+    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError, ValueError) as e:
+        raise WeightUpdateError(f"{target}: cannot read the server's info: {e}") from None
+    for key in ("tp_size", "startup_time"):
+        if key not in info:
+            raise WeightUpdateError(f"{target}: the reply has no {key!r}; is this an SGLang server?")
+    return info
+
+
+def server_tp_size(url: str) -> int:
+    """How many tensor-parallel ranks (weight receivers) the server runs."""
+    return int(server_info(url)["tp_size"])

@@ -1,0 +1,63 @@
+"""torchrun worker (1 process): the distributed route keeps working across a server restart.
+
+Sync changed weights as version 1, signal the test (SYNCED file) and wait while it restarts the server
+(RESTARTED file); change the weights again and sync version 2, which has to form the weight-update
+group anew; then check the server's new samples against the policy.
+
+argv: OUT_JSON MODEL_DIR SERVER_URL FLAG_DIR
+"""
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from megatron_dapo.checkpoint.hf_weights import load_hf_weights
+from megatron_dapo.checkpoint.safetensors_io import HFCheckpoint
+from megatron_dapo.config import ParallelConfig
+from megatron_dapo.policy.hf_config import model_spec_from_hf
+from megatron_dapo.policy.train_step import LossConfig, OptimConfig, PolicyTrainer
+from megatron_dapo.runtime import init_runtime, shutdown_runtime
+from megatron_dapo.weight_sync import make_weight_syncer
+from weight_sync_worker import parity, sample, versions
+
+
+def perturb(module, seed):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+
+
+def main(out_json, model_dir, url, flag_dir):
+    parallel = ParallelConfig(device="cpu", seed=3)
+    runtime = init_runtime(parallel)
+    ckpt = HFCheckpoint(model_dir)
+    spec = model_spec_from_hf(ckpt.config)
+    trainer = PolicyTrainer(spec, parallel, runtime.device, OptimConfig(warmup_steps=0), LossConfig(), 512)
+    load_hf_weights(trainer.module, ckpt.get, spec, parallel)
+    syncer = make_weight_syncer("distributed", [url], spec, parallel, ckpt.config, bucket_mb=0.05)
+    perturb(trainer.module, 1)
+    syncer.sync(trainer.module, "1")
+    first = sample(url)
+    (Path(flag_dir) / "SYNCED").touch()
+    deadline = time.monotonic() + 600
+    while not (Path(flag_dir) / "RESTARTED").exists():
+        assert time.monotonic() < deadline, "the test did not restart the server"
+        time.sleep(0.5)
+    restarted = sample(url)
+    perturb(trainer.module, 2)
+    syncer.sync(trainer.module, "2")
+    after = sample(url)
+    syncer.close()
+    result = {"first": parity(trainer, spec, runtime, first)[0], "versions_first": versions(first),
+              "restarted": parity(trainer, spec, runtime, restarted)[0], "versions_restarted": versions(restarted),
+              "after": parity(trainer, spec, runtime, after)[0], "versions_after": versions(after)}
+    Path(out_json).write_text(json.dumps(result))
+    shutdown_runtime()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
