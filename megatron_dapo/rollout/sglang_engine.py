@@ -15,6 +15,7 @@ tried `max_attempts` times, a server restarted `max_server_restarts` times in a 
 
 from __future__ import annotations
 
+import dataclasses
 import http.client
 import queue
 import threading
@@ -99,9 +100,12 @@ class SGLangEngine:
     @classmethod
     def launch(cls, configs: Sequence[SGLangServerConfig], log_dir, *, use_router: bool | None = None,
                **engine_kwargs) -> SGLangEngine:
-        """Start one server per config (all at once) and, when asked or when there are `ROUTER_MIN_SERVERS`
-        or more, sglang-router in front of them; `close` stops them all."""
+        """Start one server per config (all at once; on GPUs server i starts tensor_parallel * i GPUs past
+        its config's base_gpu_id, so they do not share GPUs) and, when asked or when there are
+        `ROUTER_MIN_SERVERS` or more, sglang-router in front of them; `close` stops them all."""
         log_dir = Path(log_dir)
+        configs = [dataclasses.replace(c, base_gpu_id=c.base_gpu_id + i * c.tensor_parallel)
+                   for i, c in enumerate(configs)]
         procs = [SGLangServer(c, log_dir / f"sglang_{i}.log") for i, c in enumerate(configs)]
         started = []
         try:

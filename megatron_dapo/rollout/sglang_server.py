@@ -37,6 +37,7 @@ class SGLangServerConfig:
     host: str = "127.0.0.1"
     port: int | None = None  # None: a free one
     tensor_parallel: int = 1
+    base_gpu_id: int = 0  # its first GPU (it takes tensor_parallel of them from there)
     dtype: str = "auto"
     max_total_tokens: int | None = None
     startup_timeout_s: float = 300.0
@@ -169,6 +170,8 @@ class SGLangServer(ServerProcess):
             cmd += ["--max-total-tokens", str(c.max_total_tokens)]
         if c.device == "cpu":
             cmd += CPU_FLAGS
+        else:
+            cmd += ["--base-gpu-id", str(c.base_gpu_id)]
         return cmd + list(c.extra_args)
 
     def environment(self) -> dict[str, str]:
