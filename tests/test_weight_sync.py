@@ -2,6 +2,8 @@
 
 One torchrun run per layout does one optimizer step, then for every route puts the server back to the
 original weights, syncs, and samples again; the cases below read that run's record for their route.
+The distributed route is also taken across a server restart; bucket packing and bad settings are
+checked without a server.
 """
 
 import json
@@ -71,7 +73,8 @@ def test_after_a_step_and_a_sync_sglang_samples_from_the_new_policy(synced, layo
     # ... and after the sync it does, tagged with the new step.
     assert s["samples_after"] == 16 and s["versions_after"] == ["1"], s
     assert s["after"] < 1e-4, s
-    assert s["bytes"] > 0 and s["seconds"] > 0
+    if route != "disk":  # every tensor sent exactly once (disk counts its files)
+        assert s["bytes"] == buckets.model_bytes(_spec(), torch.float32)
 
 
 def _spec():
