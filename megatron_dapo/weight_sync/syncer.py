@@ -6,7 +6,8 @@
 
 Routes: "distributed" (servers on other GPUs or machines: a weight-update process group, NCCL/gloo),
 "tensor" (servers on trainer rank 0's machine: shared memory / CUDA IPC handles), "disk" (a Hugging
-Face checkpoint in `work_dir` that each server loads; the fallback). Creating a syncer is collective too.
+Face checkpoint in `work_dir` that each server loads; the fallback). Create the syncer on every trainer
+rank; only global rank 0 talks to the servers.
 """
 
 from __future__ import annotations
