@@ -99,6 +99,9 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10,<3.12",
     packages=find_packages(include=["megatron_dapo", "megatron_dapo.*"]),
+    # The CPU stand-ins SGLang loads from its PYTHONPATH (not imported by the package itself).
+    package_data={"megatron_dapo.rollout": ["cpu_shim/*.py", "cpu_shim/sgl_kernel/*.py",
+                                            "cpu_shim/dapo_sglang_cpu_plugin-0.dist-info/*"]},
     ext_modules=[_extension()],
     cmdclass=_cmdclass(),
     install_requires=[

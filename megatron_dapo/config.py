@@ -143,6 +143,9 @@ class RolloutConfig:
     server_device: str = "cuda"
     server_extra_args: list[str] = field(default_factory=list)
     server_startup_timeout_s: float = 600.0
+    # Servers sample bitwise reproducibly per (request, seed), whatever else is batched, so a resumed run
+    # repeats the interrupted one (SGLang's --enable-deterministic-inference; slower).
+    deterministic: bool = False
     max_in_flight: int = 64
     max_server_restarts: int = 3
     weight_sync: str = "distributed"  # "distributed" (NCCL/gloo), "tensor" (colocated), "disk"

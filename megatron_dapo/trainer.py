@@ -11,6 +11,7 @@ rank; everything after that is collective.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -40,7 +41,7 @@ from megatron_dapo.policy.rollout_samples import (
 )
 from megatron_dapo.policy.train_step import PolicyTrainer
 from megatron_dapo.reward import RewardPool
-from megatron_dapo.rollout.engine import SamplingParams
+from megatron_dapo.rollout.engine import SamplingParams, sample_seed
 from megatron_dapo.run_config import DapoConfig
 from megatron_dapo.runtime import init_runtime, shutdown_runtime
 
@@ -135,17 +136,18 @@ class DapoTrainer:
                                max_positions=self.spec.max_position_embeddings,
                                eos_token_ids=hf_eos_token_ids(self.hf_config), device=self.runtime.device,
                                seed=cfg.parallel.seed, weight_version=str(self.step_index))
-        from megatron_dapo.rollout.sglang_engine import engine_from_config
+        from megatron_dapo.rollout.from_config import sglang_engine
 
-        return engine_from_config(cfg.rollout, cfg.model.path, self.output_dir / "sglang",
-                                  on_server_restart=self._on_server_restart)
+        return sglang_engine(cfg.rollout, cfg.model.path, self.output_dir / "sglang",
+                             on_server_restart=self._on_server_restart)
 
     def _weight_syncer(self):
         if self.cfg.rollout.engine == "local":
             return None  # the local engine samples from the live policy
+        from megatron_dapo.rollout.from_config import server_urls
         from megatron_dapo.weight_sync import make_weight_syncer
 
-        box = [self.engine.urls if self.driver else None]
+        box = [server_urls(self.engine) if self.driver else None]
         dist.broadcast_object_list(box, src=0)
         r = self.cfg.rollout
         return make_weight_syncer(r.weight_sync, box[0], self.spec, self.cfg.parallel, self.hf_config,
@@ -166,13 +168,25 @@ class DapoTrainer:
         return [v.correct for v in self.reward_pool.score(texts, [prompt.ground_truth] * len(texts))]
 
     def _on_server_restart(self, url: str) -> None:
-        """A server came back with its initial weights mid-rollout: every rank joins a weight sync."""
+        """A server came back with its initial weights mid-rollout. The disk route reloads the folder the
+        others serve; the other routes need every rank, which the waiting ranks join (see _rollout)."""
+        from megatron_dapo.weight_sync.disk import DiskSyncer
+        from megatron_dapo.weight_sync.server_calls import call_all
+
+        if isinstance(self.syncer, DiskSyncer):
+            if self.syncer.loaded is not None:
+                call_all([url], "/update_weights_from_disk", {"model_path": str(self.syncer.loaded),
+                                                             "weight_version": str(self.step_index)}, 600.0)
+            return
         dist.broadcast_object_list([("resync", None)], src=0)
         self.sync_weights()
 
     def _rollout(self):
         """Driver: dynamic sampling. Every rank: the kept batch (responses, in the same order everywhere)."""
         if self.driver:
+            # Seeds from (run seed, step): a resumed run samples what the uninterrupted one did.
+            self.dynamic_sampler.params = dataclasses.replace(
+                self.params, seed=sample_seed(self.cfg.parallel.seed, self.step_index))
             batch = self.dynamic_sampler.collect()
             message = [("batch", (flatten(batch), batch.metrics.as_dict()))]
             dist.broadcast_object_list(message, src=0)

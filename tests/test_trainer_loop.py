@@ -37,7 +37,7 @@ def task(tmp_path_factory):
     tok = make_tiny_model(root / "base", corpus, seed=0, hidden=64, layers=2)
     pairs = [(encode_prompt(tok, r["prompt"]), tok.encode(r["extra_info"]["solution"]) + [tok.eos_token_id])
              for r in train]
-    supervised_warm_start(root / "base", root / "model", pairs, steps=150, batch_size=32)
+    supervised_warm_start(root / "base", root / "model", pairs, target_accuracy=0.2, max_steps=600, batch_size=32)
     return root
 
 
@@ -95,3 +95,36 @@ def test_local_engine_loop_trains_and_checkpoints(task, tmp_path):
         assert r["mismatch/abs_max"] < 1e-4  # the local engine samples from the very policy that recomputes
     assert "eval_avg@2" in records[-1]
     assert (out / "checkpoints" / "step_000003" / "COMPLETE").is_file()
+
+
+def _stop_servers_of(model: Path) -> None:
+    """What is left of a killed trainer's SGLang servers (none of this test's other runs is alive)."""
+    subprocess.run(["pkill", "-9", "-f", f"sglang.launch_server --model-path {model}"], check=False)
+
+
+def test_sglang_tp2_killed_and_resumed_matches_an_uninterrupted_run(task, tmp_path):
+    sglang = {"engine": "sglang", "server_device": "cpu", "weight_sync": "disk", "server_startup_timeout_s": 900,
+              "deterministic": True}
+    sections = dict(rollout=sglang, parallel={"device": "cpu", "seed": 7, "tensor_parallel": 2})
+    full_out = tmp_path / "full"
+    full = config(task, full_out, **sections, train={"steps": 4, "checkpoint_every": 3, "eval_every": 0})
+    finish(launch(full, 2), full)
+
+    out = tmp_path / "resumed"
+    cfg = config(task, out, **sections, train={"steps": 4, "checkpoint_every": 3, "eval_every": 0})
+    proc = launch(cfg, 2)
+    marker = out / "checkpoints" / "step_000003" / "COMPLETE"
+    deadline = time.monotonic() + 900
+    while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert marker.exists(), cfg.with_suffix(".log").read_text()[-8000:]
+    os.killpg(proc.pid, signal.SIGKILL)  # mid-run: step 4 has started or is about to
+    proc.wait()
+    _stop_servers_of(task / "model")
+    finish(launch(cfg, 2), cfg)  # resumes from step 3
+
+    want, got = metrics(full_out), metrics(out)
+    assert [r["step"] for r in got] == [1, 2, 3, 4]
+    step4 = {k: v for k, v in want[3].items() if not k.startswith(TIMING) and k != "time"}
+    assert step4["groups_kept"] >= 1 and step4["loss_tokens"] > 0
+    assert {k: got[3][k] for k in step4} == pytest.approx(step4, rel=1e-6, abs=1e-9)

@@ -9,6 +9,7 @@ batch trimmed so that it divides across data-parallel ranks.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Callable, Sequence
@@ -19,7 +20,7 @@ from megatron_dapo.algorithm.advantages import group_advantages, sample_rewards
 from megatron_dapo.algorithm.config import AlgorithmConfig
 from megatron_dapo.algorithm.overlong import TRUNCATED, overlong_loss_mask
 from megatron_dapo.algorithm.rollout_batch import PromptItem, RolloutBatch, SamplingMetrics, ScoredGroup
-from megatron_dapo.rollout.engine import Engine, Sample, SamplingParams
+from megatron_dapo.rollout.engine import Engine, Sample, SamplingParams, sample_seed
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +47,10 @@ class DynamicSampler:
         for round_ in range(1, cfg.max_sampling_rounds + 1):
             tally.rounds = round_
             prompts = self._draw_prompts(math.ceil((cfg.batch_size - len(kept)) * cfg.oversample_factor))
-            stream = self.engine.stream([p.token_ids for p in prompts], cfg.group_size, self.params)
+            params = self.params
+            if params.seed is not None:  # each round draws with its own seeds
+                params = dataclasses.replace(params, seed=sample_seed(params.seed, round_))
+            stream = self.engine.stream([p.token_ids for p in prompts], cfg.group_size, params)
             try:
                 for samples in stream:
                     group = self._score(prompts, samples)

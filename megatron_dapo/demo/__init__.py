@@ -27,7 +27,7 @@ from megatron_dapo.demo.warm_start import supervised_warm_start
 
 TASK = dict(digits=2, operations="+", num_operands=2, style="short")
 NUM_ROWS, NUM_EVAL = 6000, 256
-WARM_START_STEPS = 300
+WARM_START = dict(target_accuracy=0.3, max_steps=1500, check_every=50, lr=1e-3)
 DAPO = {
     "rollout": {"engine": "local", "temperature": 1.0},
     "reward": {"num_workers": 2, "timeout_s": 5.0, "tail_chars": 200},
@@ -66,9 +66,9 @@ def run_demo(output_dir: str = "runs/demo", seed: int = 0) -> int:
     pairs = _prepare(out, seed)
     times["data + tiny model"] = time.perf_counter() - start
     t = time.perf_counter()
-    losses = supervised_warm_start(out / "base", out / "warm", pairs, steps=WARM_START_STEPS, seed=seed)
+    steps, accuracy = supervised_warm_start(out / "base", out / "warm", pairs, seed=seed, **WARM_START)
     times["supervised warm start"] = time.perf_counter() - t
-    print(f"warm start: {WARM_START_STEPS} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}", flush=True)
+    print(f"warm start: {steps} steps, sampled accuracy on training prompts {100 * accuracy:.1f} %", flush=True)
 
     cfg = config_from_dict({**DAPO, "model": {"path": str(out / "warm"), "max_tokens_per_micro_batch": 4096},
                             "data": {"train_path": str(out / "train.jsonl"), "eval_path": str(out / "eval.jsonl"),

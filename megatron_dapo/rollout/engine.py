@@ -7,6 +7,7 @@ outstanding once the batch is full. `generate` is the blocking form, in prompt o
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -19,6 +20,9 @@ class SamplingParams:
     max_new_tokens: int = 1024
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    # Reproducible sampling: sample j of the i-th prompt of a call draws with sample_seed(seed, i, j), so
+    # a retried or resumed request gets the same response. None: unseeded.
+    seed: int | None = None
 
     def __post_init__(self):
         if not self.temperature > 0:
@@ -38,6 +42,12 @@ class Sample:
     logprobs: list[float]  # the engine's log-prob of each output token
     finish_reason: str  # "stop" or "length"
     weight_version: str
+
+
+def sample_seed(seed: int, *path: int) -> int:
+    """A 64-bit seed (SGLang's signed range) derived from a base seed and a path such as (prompt, sample)."""
+    digest = hashlib.blake2b("/".join(map(str, (seed, *path))).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little", signed=True)
 
 
 class GroupStream(Protocol):

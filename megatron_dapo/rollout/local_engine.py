@@ -98,6 +98,8 @@ class LocalEngine:
 
     def stream(self, prompts: list[list[int]], n: int, params: SamplingParams) -> LocalGroupStream:
         self._check(prompts, n)
+        if params.seed is not None:  # the same call with the same seed draws the same samples
+            self.generator.manual_seed(params.seed & (2**63 - 1))
         return LocalGroupStream(self, prompts, n, params, self.weight_version)
 
     def generate(self, prompts: list[list[int]], n: int, params: SamplingParams) -> list[list[Sample]]:

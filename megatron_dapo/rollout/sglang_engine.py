@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from megatron_dapo.rollout.engine import Sample, SamplingParams
+from megatron_dapo.rollout.engine import Sample, SamplingParams, sample_seed
 from megatron_dapo.rollout.router import SGLangRouter
 from megatron_dapo.rollout.sglang_server import (SGLangServer, SGLangServerConfig, ServerError, health_ok, post_json,
                                                  wait_until)
@@ -167,12 +167,14 @@ class SGLangEngine:
         with self._pick_lock:
             server.in_flight -= 1
 
-    def _post_group(self, server: _Server, prompt: list[int], n: int, params: SamplingParams,
+    def _post_group(self, server: _Server, index: int, prompt: list[int], n: int, params: SamplingParams,
                     rid: str) -> list | dict:
         sampling = {"temperature": params.temperature, "top_p": params.top_p,
                     "max_new_tokens": params.max_new_tokens, "ignore_eos": params.ignore_eos}
         if params.stop_token_ids:
             sampling["stop_token_ids"] = list(params.stop_token_ids)
+        if params.seed is not None:  # one seed per sample (a shared one would make the n samples identical)
+            sampling = [dict(sampling, sampling_seed=sample_seed(params.seed, index, j)) for j in range(n)]
         payload = {"input_ids": [prompt] * n, "sampling_params": sampling, "rid": rid, "return_logprob": True}
         return post_json(f"{(self.router or server).url}/generate", payload, self.timeout)
 
@@ -324,7 +326,7 @@ class SGLangGroupStream:
                     if self._aborted:
                         return None
                     self._in_flight[index] = (server, rids)
-                out = engine._post_group(server, self.prompts[index], self.n, self.params, rid)
+                out = engine._post_group(server, index, self.prompts[index], self.n, self.params, rid)
                 error = None
             except urllib.error.HTTPError as e:
                 out, error = None, e

@@ -27,6 +27,9 @@ def sync_weights_via_disk(model, spec, parallel, *, server_urls: list[str], dire
     """Returns the metrics on global rank 0, None elsewhere; raises if any server refuses the update."""
     start = time.perf_counter()
     folder = Path(directory) / f"weights-{version}"
+    if dist.get_rank() == 0 and folder.exists():  # left by a run that stopped after exporting this version
+        shutil.rmtree(folder)
+    dist.barrier()
     export_hf_checkpoint(model, spec, parallel, folder, hf_config=hf_config)
     metrics = None
     if dist.get_rank() == 0:

@@ -1,9 +1,13 @@
 """CPU stand-in for SGLang's `sgl_kernel` (whose wheels are CUDA-only), put on the server's PYTHONPATH
 only when SGLang runs on the CPU. On that path SGLang computes with its own torch-native code and
-asks sgl_kernel for two bookkeeping ops; anything else fails loudly when called.
+asks sgl_kernel for two bookkeeping ops, and for a hash in its seeded (deterministic) sampler; anything
+else fails loudly when called.
 """
 
 import ctypes
+
+import torch
+from murmur_hash import murmur_hash32
 
 
 def assign_req_to_token_pool_cpu(req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc, pool_len):
@@ -22,6 +26,16 @@ def copy_all_layer_kv_cache_cpu(data_ptrs, strides, tgt_loc, src_loc):
             ctypes.memmove(ptr + tgt * stride, ptr + src * stride, stride)
 
 
+@torch.library.custom_op("sgl_kernel::murmur_hash32_cpu", mutates_args=())
+def murmur_hash32_cpu(seed: torch.Tensor, positions: torch.Tensor, col_indices: torch.Tensor) -> torch.Tensor:
+    return murmur_hash32(seed, positions, col_indices)
+
+
+@murmur_hash32_cpu.register_fake
+def _(seed, positions, col_indices):
+    return seed.new_empty((seed.shape[0], col_indices.shape[0]), dtype=torch.uint32)
+
+
 def __getattr__(name):
     # SGLang imports some kernels at module import (speculative decoding) that this setup never runs:
     # hand out a function that fails loudly if it ever is called.
@@ -36,4 +50,4 @@ def __getattr__(name):
     return missing
 
 
-__all__ = ["assign_req_to_token_pool_cpu", "copy_all_layer_kv_cache_cpu"]
+__all__ = ["assign_req_to_token_pool_cpu", "copy_all_layer_kv_cache_cpu", "murmur_hash32_cpu"]

@@ -1,0 +1,32 @@
+"""The rollout engine a run's `rollout:` section asks for: SGLang servers started here (one per
+rollout.num_servers, behind sglang-router when there are several) or attached to by URL."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from megatron_dapo.config import RolloutConfig
+from megatron_dapo.rollout.sglang_engine import SGLangEngine
+from megatron_dapo.rollout.sglang_server import SGLangServerConfig
+
+
+def sglang_engine(rollout: RolloutConfig, model_path: str, log_dir, *,
+                  on_server_restart: Callable[[str], None] | None = None) -> SGLangEngine:
+    kwargs = dict(max_in_flight=rollout.max_in_flight, max_server_restarts=rollout.max_server_restarts,
+                  on_server_restart=on_server_restart)
+    if rollout.server_urls:
+        return SGLangEngine(list(rollout.server_urls), **kwargs)
+    on_cpu = rollout.server_device == "cpu"
+    config = SGLangServerConfig(model_path, device=rollout.server_device,
+                                tensor_parallel=rollout.server_tensor_parallel,
+                                dtype="float32" if on_cpu else "auto",  # the CPU trainer's precision
+                                max_total_tokens=16384 if on_cpu else None,
+                                startup_timeout_s=rollout.server_startup_timeout_s,
+                                extra_args=list(rollout.server_extra_args)
+                                + (["--enable-deterministic-inference"] if rollout.deterministic else []))
+    return SGLangEngine.launch([config] * rollout.num_servers, log_dir, **kwargs)
+
+
+def server_urls(engine: SGLangEngine) -> list[str]:
+    """Where weights go: every server itself (not the router in front of them)."""
+    return [s.url for s in engine.servers]

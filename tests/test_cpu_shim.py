@@ -1,0 +1,37 @@
+"""The CPU stand-ins SGLang loads: the seeded sampler's MurmurHash3 against a plain scalar implementation."""
+
+import struct
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "megatron_dapo" / "rollout" / "cpu_shim"))
+from murmur_hash import murmur_hash32  # noqa: E402
+
+
+def murmur3_x86_32(data: bytes, seed: int = 0) -> int:
+    """The reference algorithm, one 32-bit block at a time in Python integers."""
+    def rotl(x, r):
+        return ((x << r) | (x >> (32 - r))) & 0xFFFFFFFF
+
+    h = seed
+    for (k,) in struct.iter_unpack("<I", data):
+        k = rotl((k * 0xCC9E2D51) & 0xFFFFFFFF, 15) * 0x1B873593 & 0xFFFFFFFF
+        h = (rotl(h ^ k, 13) * 5 + 0xE6546B64) & 0xFFFFFFFF
+    h ^= len(data)
+    h = ((h ^ (h >> 16)) * 0x85EBCA6B) & 0xFFFFFFFF
+    h = ((h ^ (h >> 13)) * 0xC2B2AE35) & 0xFFFFFFFF
+    return h ^ (h >> 16)
+
+
+def test_murmur_hash_of_seed_position_column_matches_the_reference():
+    seeds = torch.tensor([0, 1, -1, 42, -(2**63), 2**63 - 1, 1234567890123])
+    positions = torch.tensor([0, 1, 7, 4095, 123456, 2**31 - 1, 3])
+    cols = torch.tensor([0, 1, 2, 255, 151935, 2**31 - 1])
+    got = murmur_hash32(seeds, positions, cols)
+    assert got.dtype == torch.uint32 and got.shape == (len(seeds), len(cols))
+    for r, (s, p) in enumerate(zip(seeds.tolist(), positions.tolist())):
+        for c, col in enumerate(cols.tolist()):
+            words = struct.pack("<IIII", s & 0xFFFFFFFF, (s >> 32) & 0xFFFFFFFF, p, col)
+            assert int(got[r, c].item()) == murmur3_x86_32(words), (s, p, col)
