@@ -150,8 +150,10 @@ class DapoTrainer:
         box = [server_urls(self.engine) if self.driver else None]
         dist.broadcast_object_list(box, src=0)
         r = self.cfg.rollout
+        # The servers reach trainer rank 0 (the distributed route's broadcasts) where the trainers rendezvous.
         return make_weight_syncer(r.weight_sync, box[0], self.spec, self.cfg.parallel, self.hf_config,
-                                  bucket_mb=r.weight_sync_bucket_mb, work_dir=self.output_dir / "weights")
+                                  bucket_mb=r.weight_sync_bucket_mb, work_dir=self.output_dir / "weights",
+                                  master_address=self.runtime.env.master_addr)
 
     # -- the rollout, on the driver ------------------------------------------------------------------
 

@@ -4,9 +4,12 @@ sampling, so that DAPO starts with groups of mixed correctness to learn from."""
 
 from __future__ import annotations
 
+import logging
 import random
 
 import torch
+
+log = logging.getLogger(__name__)
 
 
 def _batch(pairs: list[tuple[list[int], list[int]]], pad: int):
@@ -64,6 +67,7 @@ def supervised_warm_start(model_dir, out_dir, pairs: list[tuple[list[int], list[
             opt.step()
             step += 1
         accuracy = sampled_accuracy(model, check, pad, max(len(r) for _, r in check))
+        log.info("warm start: step %d, loss %.3f, sampled accuracy %.1f %%", step, loss.item(), 100 * accuracy)
     model.save_pretrained(out_dir)
     AutoTokenizer.from_pretrained(model_dir).save_pretrained(out_dir)
     return step, accuracy
