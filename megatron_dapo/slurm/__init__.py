@@ -1,0 +1,1 @@
+"""Running DAPO inside a SLURM allocation: the node layout, the SGLang server step, the job launcher."""

@@ -1,0 +1,154 @@
+"""launch/dapo.sbatch on a real two-node Slurm cluster on this machine (tests/slurm/cluster-up.sh): one
+fake node trains on the CPU, the other serves SGLang. A job runs 2 DAPO steps; a second job, whose SGLang
+step is cancelled, fails naming that step and leaves no process behind; a third (the same script again)
+resumes from the first job's checkpoint."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from test_trainer_loop import task  # noqa: F401  (the tiny warm-started model and its data)
+
+from megatron_dapo.slurm.allocation import AllocationError, Node, job_nodes, split_nodes
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = [ROOT / "launch" / "dapo.sbatch", ROOT / "tests" / "slurm" / "cluster-up.sh",
+           ROOT / "tests" / "slurm" / "cluster-down.sh"]
+ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE",
+         "PREEMPTED"}
+
+
+def test_split_nodes_keeps_the_first_nodes_for_training():
+    nodes = [Node(f"n{i}", f"10.0.0.{i}") for i in range(1, 5)]
+    layout = split_nodes(nodes, 2)
+    assert [n.name for n in layout.train] == ["n1", "n2"] and [n.name for n in layout.rollout] == ["n3", "n4"]
+    assert layout.master.address == "10.0.0.1"
+    with pytest.raises(AllocationError, match="--rollout-nodes: 2 of a 2-node job leaves no node to train on"):
+        split_nodes(nodes[:2], 2)
+    with pytest.raises(AllocationError, match="SLURM_JOB_NODELIST is not set"):
+        job_nodes({})
+
+
+def test_job_nodes_reads_hostnames_and_addresses():
+    answers = {("show", "hostnames", "n[1-2]"): "n1\nn2\n",
+               ("show", "node", "-o", "n1"): "NodeName=n1 Arch=x86_64 NodeAddr=10.1.0.7 NodeHostName=a",
+               ("show", "node", "-o", "n2"): "NodeName=n2 NodeHostName=b"}
+    nodes = job_nodes({"SLURM_JOB_NODELIST": "n[1-2]"}, scontrol=lambda *a: answers[a])
+    assert nodes == [Node("n1", "10.1.0.7"), Node("n2", "n2")]
+
+
+def test_shellcheck_passes_on_every_script():
+    if subprocess.run(["which", "shellcheck"], capture_output=True).returncode != 0:
+        subprocess.run(["apt-get", "install", "-y", "-q", "shellcheck"], check=True, timeout=600,
+                       env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
+    result = subprocess.run(["shellcheck", *map(str, SCRIPTS)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """The environment that reaches a fresh 2-node cluster; the daemons are stopped afterwards."""
+    state = tmp_path_factory.mktemp("slurm")
+    subprocess.run([str(SCRIPTS[1]), str(state), "2"], check=True, timeout=600)
+    try:
+        yield {**os.environ, "SLURM_CONF": str(state / "slurm.conf"), "OMP_NUM_THREADS": "1",
+               "DAPO_PYTHON": sys.executable}
+    finally:
+        subprocess.run([str(SCRIPTS[2]), str(state)], timeout=120)
+
+
+def submit(env: dict, out: Path, data: Path, *overrides: str) -> str:
+    cmd = ["sbatch", "--parsable", f"--output={out}/%x-%j.out", str(SCRIPTS[0]),
+           str(ROOT / "launch" / "configs" / "tiny-cpu.yaml"), f"model.path={data / 'model'}",
+           f"data.train_path={data / 'train.jsonl'}", f"data.eval_path={data / 'eval.jsonl'}", "data.seed=3",
+           f"train.output_dir={out}", *overrides]
+    return subprocess.run(cmd, env=env, cwd=ROOT, check=True, capture_output=True, text=True).stdout.strip()
+
+
+def job_field(env: dict, job: str, name: str) -> str:
+    line = subprocess.run(["scontrol", "show", "job", "-o", job], env=env, check=True, capture_output=True,
+                          text=True).stdout
+    return re.search(rf"\b{name}=(\S+)", line).group(1)
+
+
+def wait_job(env: dict, job: str, out: Path, timeout_s: float = 1200) -> tuple[str, str]:
+    """(JobState, ExitCode) once the job has ended; cancels it and fails when it takes too long."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        state = job_field(env, job, "JobState")
+        if state in ENDED:
+            return state, job_field(env, job, "ExitCode")
+        time.sleep(0.5)
+    subprocess.run(["scancel", job], env=env)
+    pytest.fail(f"job {job} still running after {timeout_s} s:\n{job_output(out, job)}")
+
+
+def job_output(out: Path, job: str) -> str:
+    return (out / f"dapo-{job}.out").read_text(errors="replace")[-8000:]
+
+
+def metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def processes_mentioning(*texts: str) -> list[str]:
+    """Live processes whose command line names any of `texts` (the run's folders, the model's)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if proc.name.isdigit() and any(t in cmdline for t in texts) and int(proc.name) != os.getpid():
+            found.append(f"{proc.name}: {cmdline}")
+    return found
+
+
+def assert_no_process_left(*texts: str) -> None:
+    deadline = time.monotonic() + 30  # slurmstepd reaps a step's processes right after the step ends
+    while processes_mentioning(*texts) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert processes_mentioning(*texts) == []
+
+
+@pytest.mark.slow
+def test_train_then_sglang_step_killed_then_resume(cluster, task, tmp_path):  # noqa: F811
+    out = tmp_path / "run"
+    out.mkdir()
+    job = submit(cluster, out, task)
+    state, code = wait_job(cluster, job, out)
+    assert (state, code) == ("COMPLETED", "0:0"), job_output(out, job)
+    assert [r["step"] for r in metrics(out)] == [1, 2]
+    assert (out / "checkpoints" / "step_000002" / "COMPLETE").is_file()
+    assert "launch: training finished" in job_output(out, job)
+
+    # the SGLang step is cancelled as soon as it serves: the job stops training and fails, naming it
+    job = submit(cluster, out, task, "train.steps=3")
+    url_file = out / "slurm" / f"job-{job}" / "sglang-0.url"
+    deadline = time.monotonic() + 900
+    while not url_file.exists() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert url_file.exists(), job_output(out, job)
+    steps = subprocess.run(["squeue", "-h", "-s", "-j", job, "-o", "%i %j"], env=cluster, check=True,
+                           capture_output=True, text=True).stdout.split("\n")
+    (step,) = [s.split()[0] for s in steps if s.endswith(" sglang-0")]
+    subprocess.run(["scancel", step], env=cluster, check=True)
+    state, code = wait_job(cluster, job, out)
+    text = job_output(out, job)
+    assert state == "FAILED" and code != "0:0", text
+    assert "launch: FAILED: step 'sglang-0' on n2 exited with code" in text
+    assert_no_process_left(str(tmp_path), str(task))
+
+    # the same job script again: it resumes from step 2's checkpoint and runs step 3 only
+    job = submit(cluster, out, task, "train.steps=3")
+    state, code = wait_job(cluster, job, out)
+    assert (state, code) == ("COMPLETED", "0:0"), job_output(out, job)
+    assert [r["step"] for r in metrics(out)] == [1, 2, 3]
+    assert (out / "checkpoints" / "step_000003" / "COMPLETE").is_file()
+    assert "resumed from" in job_output(out, job)
+    assert_no_process_left(str(tmp_path), str(task))
