@@ -14,7 +14,9 @@ from pathlib import Path
 import pytest
 from test_trainer_loop import task  # noqa: F401  (the tiny warm-started model and its data)
 
+from megatron_dapo.config import RolloutConfig
 from megatron_dapo.slurm.allocation import AllocationError, Node, job_nodes, split_nodes
+from megatron_dapo.slurm.job import servers_per_node
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = [ROOT / "launch" / "dapo.sbatch", ROOT / "tests" / "slurm" / "cluster-up.sh",
@@ -40,6 +42,15 @@ def test_job_nodes_reads_hostnames_and_addresses():
                ("show", "node", "-o", "n2"): "NodeName=n2 NodeHostName=b"}
     nodes = job_nodes({"SLURM_JOB_NODELIST": "n[1-2]"}, scontrol=lambda *a: answers[a])
     assert nodes == [Node("n1", "10.1.0.7"), Node("n2", "n2")]
+
+
+def test_servers_per_node_fill_the_node_gpus():
+    tp4 = RolloutConfig(server_tensor_parallel=4)
+    assert servers_per_node({"SLURM_GPUS_PER_NODE": "8"}, tp4) == 2
+    assert servers_per_node({"SLURM_GPUS_PER_NODE": "h100:8"}, tp4) == 2
+    assert servers_per_node({"SLURM_GPUS_ON_NODE": "4"}, tp4) == 1
+    assert servers_per_node({}, tp4) == 1
+    assert servers_per_node({"SLURM_GPUS_PER_NODE": "8"}, RolloutConfig(server_device="cpu")) == 1
 
 
 def test_shellcheck_passes_on_every_script():

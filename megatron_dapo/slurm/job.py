@@ -1,7 +1,8 @@
 """Disaggregated DAPO inside a SLURM allocation: `python -m megatron_dapo.slurm.job CONFIG [overrides...]`.
 
-Run by launch/dapo.sbatch on the job's first node. The last `--rollout-nodes` nodes each run one SGLang
-server (an `srun --overlap` step of `megatron_dapo.slurm.serve`); once all answer /health, the other
+Run by launch/dapo.sbatch on the job's first node. The last `--rollout-nodes` nodes run SGLang servers (one
+`srun --overlap` step of `megatron_dapo.slurm.serve` each, as many per node as its GPUs hold at
+rollout.server_tensor_parallel, one on CPUs); once all answer /health, the other
 nodes train (one `srun` step of `megatron-dapo train`, one task per GPU, rendezvous on the first node)
 with `rollout.server_urls` pointing at them. When training ends, or any step fails, every step started
 here is stopped; a failure exits non-zero naming the step. A requeued or resubmitted job with the same
@@ -97,11 +98,21 @@ def watch(train: Step, servers: list[Step]) -> None:
         time.sleep(POLL_S)
 
 
+def servers_per_node(environ, rollout) -> int:
+    """As many TP-wide servers as a node's GPUs hold (SLURM_GPUS_PER_NODE is "8" or "h100:8"); 1 on CPUs."""
+    gpus = environ.get("SLURM_GPUS_PER_NODE") or environ.get("SLURM_GPUS_ON_NODE") or ""
+    if rollout.server_device == "cpu" or not gpus:
+        return 1
+    return max(1, int(gpus.split(":")[-1].split("(")[0]) // rollout.server_tensor_parallel)
+
+
 def parse_args(argv):
     parser = argparse.ArgumentParser(prog="python -m megatron_dapo.slurm.job", description=__doc__)
     parser.add_argument("config", help="the run's YAML config (see launch/configs/)")
     parser.add_argument("overrides", nargs="*", help="section.key=value overrides, as for megatron-dapo train")
     parser.add_argument("--rollout-nodes", type=int, default=1, help="nodes serving SGLang (the job's last ones)")
+    parser.add_argument("--servers-per-node", type=int, default=None,
+                        help="SGLang servers per rollout node (default: its GPUs / rollout.server_tensor_parallel)")
     parser.add_argument("--train-tasks-per-node", type=int,
                         default=int(os.environ.get("SLURM_NTASKS_PER_NODE", "1").split("(")[0]),
                         help="training processes per node: one per GPU (default: sbatch's --ntasks-per-node)")
@@ -123,13 +134,15 @@ def run(args) -> None:
     py = sys.executable
     steps: list[Step] = []
     try:
-        url_files = [job_dir / f"sglang-{i}.url" for i in range(len(layout.rollout))]
-        for i, node in enumerate(layout.rollout):
+        per_node = args.servers_per_node or servers_per_node(env, cfg.rollout)
+        slots = [(node, k * cfg.rollout.server_tensor_parallel) for node in layout.rollout for k in range(per_node)]
+        url_files = [job_dir / f"sglang-{i}.url" for i in range(len(slots))]
+        for i, (node, base_gpu) in enumerate(slots):
             url_files[i].unlink(missing_ok=True)
             steps.append(srun(f"sglang-{i}", [node], 1,
                               [py, "-m", "megatron_dapo.slurm.serve", "--advertise", node.address,
-                               "--log", str(job_dir / f"sglang-{i}.log"), config, str(url_files[i]),
-                               *args.overrides], env))
+                               "--base-gpu-id", str(base_gpu), "--log", str(job_dir / f"sglang-{i}.log"),
+                               config, str(url_files[i]), *args.overrides], env))
         servers = list(steps)
         urls = wait_for_servers(servers, url_files, cfg.rollout.server_startup_timeout_s)
         print(f"launch: SGLang servers healthy: {' '.join(urls)}", flush=True)

@@ -20,11 +20,11 @@ from megatron_dapo.run_config import load_config
 from megatron_dapo.runtime import free_port
 
 
-def server_config(cfg, host: str, port: int) -> SGLangServerConfig:
+def server_config(cfg, host: str, port: int, base_gpu_id: int = 0) -> SGLangServerConfig:
     r = cfg.rollout
     on_cpu = r.server_device == "cpu"
     return SGLangServerConfig(cfg.model.path, device=r.server_device, host=host, port=port,
-                              tensor_parallel=r.server_tensor_parallel,
+                              tensor_parallel=r.server_tensor_parallel, base_gpu_id=base_gpu_id,
                               dtype="float32" if on_cpu else "auto",  # as the trainer starts its own servers
                               max_total_tokens=16384 if on_cpu else None,
                               startup_timeout_s=r.server_startup_timeout_s,
@@ -38,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("url_file", help="where to write this server's URL once it is healthy")
     parser.add_argument("--advertise", required=True, help="this node's address as the other nodes reach it")
     parser.add_argument("--log", required=True, help="the server's log file")
+    parser.add_argument("--base-gpu-id", type=int, default=0, help="its first GPU on this node")
     parser.add_argument("overrides", nargs="*", help="section.key=value overrides, as for megatron-dapo train")
     args = parser.parse_args(argv)
     try:
@@ -46,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"serve: bad config: {e}", file=sys.stderr)
         return 2
     port = free_port("0.0.0.0")
-    server = SGLangServer(server_config(cfg, "0.0.0.0", port), args.log)
+    server = SGLangServer(server_config(cfg, "0.0.0.0", port, args.base_gpu_id), args.log)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds through the finally below
     try:
         server.start().wait_healthy()
