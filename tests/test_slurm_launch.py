@@ -55,8 +55,9 @@ def test_servers_per_node_fill_the_node_gpus():
 
 def test_shellcheck_passes_on_every_script():
     if subprocess.run(["which", "shellcheck"], capture_output=True).returncode != 0:
-        subprocess.run(["apt-get", "install", "-y", "-q", "shellcheck"], check=True, timeout=600,
-                       env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
+        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+        subprocess.run(["apt-get", "update", "-q"], check=True, timeout=600, env=env)
+        subprocess.run(["apt-get", "install", "-y", "-q", "shellcheck"], check=True, timeout=600, env=env)
     result = subprocess.run(["shellcheck", *map(str, SCRIPTS)], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout
 
