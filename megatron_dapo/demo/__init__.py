@@ -18,6 +18,8 @@ import shutil
 import time
 from pathlib import Path
 
+import yaml
+
 from megatron_dapo.data.held_out_split import split_held_out
 from megatron_dapo.data.prompt_encoding import encode_prompt
 from megatron_dapo.data.prompt_file import write_rows
@@ -34,7 +36,7 @@ DAPO = {
     "algorithm": {"batch_size": 32, "group_size": 8, "oversample_factor": 1.5, "max_sampling_rounds": 4,
                   "max_response_len": 12, "overlong_cache_len": 4},
     "loss": {"eps_low": 0.2, "eps_high": 0.28},
-    "optim": {"lr": 1e-3, "warmup_steps": 2, "weight_decay": 0.0, "clip_grad": 1.0},
+    "optim": {"lr": 2e-4, "warmup_steps": 10, "weight_decay": 0.0, "clip_grad": 1.0},
     "train": {"steps": 40, "updates_per_step": 2, "checkpoint_every": 0, "keep_last": 1, "resume": False,
               "eval_every": 10, "eval_samples_per_prompt": 4, "eval_max_prompts": NUM_EVAL},
     "parallel": {"device": "cpu"},
@@ -54,7 +56,7 @@ def _prepare(out: Path, seed: int):
 
 
 def run_demo(output_dir: str = "runs/demo", seed: int = 0) -> int:
-    from megatron_dapo.run_config import config_from_dict
+    from megatron_dapo.run_config import load_config
     from megatron_dapo.runtime import free_port
     from megatron_dapo.trainer import DapoTrainer
 
@@ -70,10 +72,12 @@ def run_demo(output_dir: str = "runs/demo", seed: int = 0) -> int:
     times["supervised warm start"] = time.perf_counter() - t
     print(f"warm start: {steps} steps, sampled accuracy on training prompts {100 * accuracy:.1f} %", flush=True)
 
-    cfg = config_from_dict({**DAPO, "model": {"path": str(out / "warm"), "max_tokens_per_micro_batch": 4096},
-                            "data": {"train_path": str(out / "train.jsonl"), "eval_path": str(out / "eval.jsonl"),
-                                     "seed": seed},
-                            "train": {**DAPO["train"], "output_dir": str(out / "dapo")}})
+    # The run's config goes beside it: `megatron-dapo train OUT/dapo.yaml` repeats the DAPO phase alone.
+    data = {**DAPO, "model": {"path": str(out / "warm"), "max_tokens_per_micro_batch": 4096},
+            "data": {"train_path": str(out / "train.jsonl"), "eval_path": str(out / "eval.jsonl"), "seed": seed},
+            "train": {**DAPO["train"], "output_dir": str(out / "dapo")}}
+    (out / "dapo.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
+    cfg = load_config(out / "dapo.yaml")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ["MASTER_PORT"] = str(free_port())
     trainer = DapoTrainer(cfg)

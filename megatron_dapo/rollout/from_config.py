@@ -10,21 +10,26 @@ from megatron_dapo.rollout.sglang_engine import SGLangEngine
 from megatron_dapo.rollout.sglang_server import SGLangServerConfig
 
 
+def server_config(rollout: RolloutConfig, model_path: str, *, host: str = "127.0.0.1", port: int | None = None,
+                  base_gpu_id: int = 0) -> SGLangServerConfig:
+    """One server of the run, wherever it is started (here, or as a SLURM step)."""
+    on_cpu = rollout.server_device == "cpu"
+    return SGLangServerConfig(model_path, device=rollout.server_device, host=host, port=port,
+                              tensor_parallel=rollout.server_tensor_parallel, base_gpu_id=base_gpu_id,
+                              dtype="float32" if on_cpu else "auto",  # the CPU trainer's precision
+                              max_total_tokens=16384 if on_cpu else None,
+                              startup_timeout_s=rollout.server_startup_timeout_s,
+                              extra_args=list(rollout.server_extra_args)
+                              + (["--enable-deterministic-inference"] if rollout.deterministic else []))
+
+
 def sglang_engine(rollout: RolloutConfig, model_path: str, log_dir, *,
                   on_server_restart: Callable[[str], None] | None = None) -> SGLangEngine:
     kwargs = dict(max_in_flight=rollout.max_in_flight, max_server_restarts=rollout.max_server_restarts,
                   on_server_restart=on_server_restart)
     if rollout.server_urls:
         return SGLangEngine(list(rollout.server_urls), **kwargs)
-    on_cpu = rollout.server_device == "cpu"
-    config = SGLangServerConfig(model_path, device=rollout.server_device,
-                                tensor_parallel=rollout.server_tensor_parallel,
-                                dtype="float32" if on_cpu else "auto",  # the CPU trainer's precision
-                                max_total_tokens=16384 if on_cpu else None,
-                                startup_timeout_s=rollout.server_startup_timeout_s,
-                                extra_args=list(rollout.server_extra_args)
-                                + (["--enable-deterministic-inference"] if rollout.deterministic else []))
-    return SGLangEngine.launch([config] * rollout.num_servers, log_dir, **kwargs)
+    return SGLangEngine.launch([server_config(rollout, model_path)] * rollout.num_servers, log_dir, **kwargs)
 
 
 def server_urls(engine: SGLangEngine) -> list[str]:

@@ -15,21 +15,10 @@ import time
 from pathlib import Path
 
 from megatron_dapo.config import ConfigError
-from megatron_dapo.rollout.sglang_server import ServerError, SGLangServer, SGLangServerConfig
+from megatron_dapo.rollout.from_config import server_config
+from megatron_dapo.rollout.sglang_server import ServerError, SGLangServer
 from megatron_dapo.run_config import load_config
 from megatron_dapo.runtime import free_port
-
-
-def server_config(cfg, host: str, port: int, base_gpu_id: int = 0) -> SGLangServerConfig:
-    r = cfg.rollout
-    on_cpu = r.server_device == "cpu"
-    return SGLangServerConfig(cfg.model.path, device=r.server_device, host=host, port=port,
-                              tensor_parallel=r.server_tensor_parallel, base_gpu_id=base_gpu_id,
-                              dtype="float32" if on_cpu else "auto",  # as the trainer starts its own servers
-                              max_total_tokens=16384 if on_cpu else None,
-                              startup_timeout_s=r.server_startup_timeout_s,
-                              extra_args=list(r.server_extra_args)
-                              + (["--enable-deterministic-inference"] if r.deterministic else []))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,7 +36,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"serve: bad config: {e}", file=sys.stderr)
         return 2
     port = free_port("0.0.0.0")
-    server = SGLangServer(server_config(cfg, "0.0.0.0", port, args.base_gpu_id), args.log)
+    server = SGLangServer(server_config(cfg.rollout, cfg.model.path, host="0.0.0.0", port=port,
+                                        base_gpu_id=args.base_gpu_id), args.log)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds through the finally below
     try:
         server.start().wait_healthy()
