@@ -117,15 +117,13 @@ class DapoTrainer:
 
         cfg = self.cfg
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-        self.rows, skipped = load_prompt_rows(cfg.data.train_path)
+        self.rows, _ = load_prompt_rows(cfg.data.train_path)  # skipped rows are counted in its warning
         self.eval_rows = load_prompt_rows(cfg.data.eval_path)[0] if cfg.data.eval_path else []
         self.sampler = PromptSampler(len(self.rows), cfg.data.seed)
         self.reward_pool = RewardPool(cfg.reward)
         self.engine = self._engine()
         self.dynamic_sampler = DynamicSampler(self.engine, self._score_group, self._next_prompts, cfg.algorithm,
                                               self.params, dp_size=self.dp_size)
-        if skipped:
-            log.warning("%s: %d rows without a prompt or an answer were skipped", cfg.data.train_path, skipped)
 
     def _engine(self):
         cfg = self.cfg
@@ -318,15 +316,11 @@ class DapoTrainer:
         if self.syncer is not None:
             self.syncer.close()
         if self.driver:
-            self.engine_close()
+            if hasattr(self.engine, "close"):  # servers this run started
+                self.engine.close()
             self.reward_pool.close()
             self.metrics.close()
         shutdown_runtime()
-
-    def engine_close(self) -> None:
-        close = getattr(self.engine, "close", None)
-        if close is not None:
-            close()
 
 
 def run_training(cfg: DapoConfig) -> int:

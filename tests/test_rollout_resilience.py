@@ -48,9 +48,9 @@ def counted(engine: SGLangEngine) -> list:
     """Record (server URL, request id) of every /generate call the engine sends."""
     calls, post = [], engine._post_group
 
-    def post_and_count(server, prompt, n, params, rid):
+    def post_and_count(server, index, prompt, n, params, rid):
         calls.append((server.url, rid))
-        return post(server, prompt, n, params, rid)
+        return post(server, index, prompt, n, params, rid)
 
     engine._post_group = post_and_count
     return calls
@@ -105,9 +105,9 @@ def test_transient_failures_are_retried_with_the_whole_group(setup):
     engine = SGLangEngine(server.url, max_in_flight=4, retry_backoff_s=0.1)
     post, failed = engine._post_group, []
 
-    def flaky(srv, prompt, n, params, rid):  # every group's first call is cut off, once by a 503
+    def flaky(srv, index, prompt, n, params, rid):  # every group's first call is cut off, once by a 503
         if not rid.endswith("-a0"):
-            return post(srv, prompt, n, params, rid)
+            return post(srv, index, prompt, n, params, rid)
         failed.append(rid)
         if len(failed) == 1:
             raise urllib.error.HTTPError(f"{srv.url}/generate", 503, "Service Unavailable", None, None)

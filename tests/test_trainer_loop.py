@@ -4,12 +4,12 @@ a resume (the resumed step's metrics equal those of an uninterrupted run)."""
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import yaml
 
@@ -72,7 +72,7 @@ def finish(proc: subprocess.Popen, cfg: Path, timeout: float = 900) -> None:
     try:
         rc = proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_tree(proc)
         rc = "timeout"
     if rc != 0:
         pytest.fail(f"training exited with {rc}:\n{cfg.with_suffix('.log').read_text()[-8000:]}")
@@ -97,9 +97,17 @@ def test_local_engine_loop_trains_and_checkpoints(task, tmp_path):
     assert (out / "checkpoints" / "step_000003" / "COMPLETE").is_file()
 
 
-def _stop_servers_of(model: Path) -> None:
-    """What is left of a killed trainer's SGLang servers (none of this test's other runs is alive)."""
-    subprocess.run(["pkill", "-9", "-f", f"sglang.launch_server --model-path {model}"], check=False)
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL a launched run and everything under it at once: torchrun's workers and the SGLang servers
+    run in sessions of their own, so killing the process group would leave them running."""
+    procs = [psutil.Process(proc.pid)] + psutil.Process(proc.pid).children(recursive=True)
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(procs, timeout=30)
+    proc.wait()
 
 
 def test_sglang_tp2_killed_and_resumed_matches_an_uninterrupted_run(task, tmp_path):
@@ -118,9 +126,7 @@ def test_sglang_tp2_killed_and_resumed_matches_an_uninterrupted_run(task, tmp_pa
     while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.2)
     assert marker.exists(), cfg.with_suffix(".log").read_text()[-8000:]
-    os.killpg(proc.pid, signal.SIGKILL)  # mid-run: step 4 has started or is about to
-    proc.wait()
-    _stop_servers_of(task / "model")
+    kill_tree(proc)  # mid-run: step 4 has started or is about to
     finish(launch(cfg, 2), cfg)  # resumes from step 3
 
     want, got = metrics(full_out), metrics(out)
