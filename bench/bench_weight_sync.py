@@ -23,7 +23,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "distributed"))
-from bench_convert import CONFIG as QWEN05_CONFIG  # noqa: E402
 from bench_convert import make_random_checkpoint  # noqa: E402
 from tiny_models import save_with_tokenizer  # noqa: E402
 

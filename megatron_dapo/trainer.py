@@ -18,7 +18,6 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 from megatron_dapo.algorithm import DynamicSampler, PromptItem
