@@ -11,7 +11,6 @@ Gathering first matters: a server that has entered the broadcast waits only on t
 from __future__ import annotations
 
 import logging
-import time
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from datetime import timedelta
 
@@ -23,7 +22,7 @@ from megatron_dapo.policy.hf_config import ModelSpec
 from megatron_dapo.runtime import free_port
 from megatron_dapo.weight_sync.buckets import iter_hf_buckets
 from megatron_dapo.weight_sync.metrics import SyncMetrics
-from megatron_dapo.weight_sync.server_calls import WeightUpdateError, call_all, call_each, server_info
+from megatron_dapo.weight_sync.server_calls import WeightUpdateError, call_all, call_each, push_buckets, server_info
 
 log = logging.getLogger(__name__)
 
@@ -119,21 +118,10 @@ class DistributedSyncer:
             sent.wait()
 
     def sync(self, model: torch.nn.Module, version: str) -> SyncMetrics | None:
-        start = time.perf_counter()
-        rank0 = dist.get_rank() == 0
-        nbytes = 0
-        if rank0:
+        if dist.get_rank() == 0:
             self._regroup_if_restarted()
-            call_all(self.urls, "/begin_weight_update", {}, self.timeout_s)
-        try:
-            for bucket in iter_hf_buckets(model, self.spec, self.parallel, self.bucket_bytes):
-                self._push(bucket, version)
-                nbytes += bucket.nbytes
-        finally:
-            if rank0:
-                call_all(self.urls, "/end_weight_update", {}, self.timeout_s)
-        dist.barrier()
-        return SyncMetrics(nbytes, time.perf_counter() - start) if rank0 else None
+        buckets = iter_hf_buckets(model, self.spec, self.parallel, self.bucket_bytes)
+        return push_buckets(self.urls, buckets, lambda bucket: self._push(bucket, version), self.timeout_s)
 
     def close(self) -> None:
         """Leave the weight group on both sides."""

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import json
+import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 
+import torch.distributed as dist
+
 from megatron_dapo.rollout.sglang_server import post_json
+from megatron_dapo.weight_sync.buckets import Bucket
+from megatron_dapo.weight_sync.metrics import SyncMetrics
 
 
 class WeightUpdateError(RuntimeError):
@@ -64,3 +69,23 @@ def server_info(url: str, timeout_s: float = 30.0) -> dict:
 def server_tp_size(url: str) -> int:
     """How many tensor-parallel ranks (weight receivers) the server runs."""
     return int(server_info(url)["tp_size"])
+
+
+def push_buckets(urls: list[str], buckets: Iterable[Bucket], push: Callable[[Bucket], None],
+                 timeout_s: float) -> SyncMetrics | None:
+    """Collective over the trainer's ranks: `push` every bucket (all ranks walk them; rank 0 sends)
+    between /begin_weight_update and /end_weight_update. The metrics on rank 0, None elsewhere."""
+    start = time.perf_counter()
+    rank0 = dist.get_rank() == 0
+    nbytes = 0
+    if rank0:
+        call_all(urls, "/begin_weight_update", {}, timeout_s)
+    try:
+        for bucket in buckets:
+            push(bucket)
+            nbytes += bucket.nbytes
+    finally:
+        if rank0:
+            call_all(urls, "/end_weight_update", {}, timeout_s)
+    dist.barrier()
+    return SyncMetrics(nbytes, time.perf_counter() - start) if rank0 else None

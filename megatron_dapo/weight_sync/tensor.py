@@ -17,7 +17,6 @@ import base64
 import io
 import os
 import signal
-import time
 from multiprocessing.reduction import ForkingPickler
 
 import psutil
@@ -29,7 +28,7 @@ from megatron_dapo.config import ParallelConfig
 from megatron_dapo.policy.hf_config import ModelSpec
 from megatron_dapo.weight_sync.buckets import iter_hf_buckets, plain_buffer
 from megatron_dapo.weight_sync.metrics import SyncMetrics
-from megatron_dapo.weight_sync.server_calls import call_all, server_tp_size
+from megatron_dapo.weight_sync.server_calls import call_all, push_buckets, server_tp_size
 
 
 def shared_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
@@ -74,25 +73,16 @@ class TensorSyncer:
             use_file_system_sharing()
 
     def sync(self, model: torch.nn.Module, version: str) -> SyncMetrics | None:
-        start = time.perf_counter()
-        rank0 = dist.get_rank() == 0
-        nbytes = 0
-        if rank0:
-            call_all(self.urls, "/begin_weight_update", {}, self.timeout_s)
-        try:
-            for bucket in iter_hf_buckets(model, self.spec, self.parallel, self.bucket_bytes, shared_buffer):
-                named = bucket.named_tensors()
-                # One pickle per receiving rank: each unpickling takes back the reference its pickling added.
-                payloads = [{"serialized_named_tensors": [serialize(named) for _ in range(tp)],
-                             "flush_cache": bucket.last, "weight_version": version if bucket.last else None}
-                            for tp in self.tp_sizes]
-                call_all(self.urls, "/update_weights_from_tensor", lambda i: payloads[i], self.timeout_s)
-                nbytes += bucket.nbytes
-        finally:
-            if rank0:
-                call_all(self.urls, "/end_weight_update", {}, self.timeout_s)
-        dist.barrier()
-        return SyncMetrics(nbytes, time.perf_counter() - start) if rank0 else None
+        def push(bucket):
+            named = bucket.named_tensors()
+            # One pickle per receiving rank: each unpickling takes back the reference its pickling added.
+            payloads = [{"serialized_named_tensors": [serialize(named) for _ in range(tp)],
+                         "flush_cache": bucket.last, "weight_version": version if bucket.last else None}
+                        for tp in self.tp_sizes]
+            call_all(self.urls, "/update_weights_from_tensor", lambda i: payloads[i], self.timeout_s)
+
+        buckets = iter_hf_buckets(model, self.spec, self.parallel, self.bucket_bytes, shared_buffer)
+        return push_buckets(self.urls, buckets, push, self.timeout_s)
 
     def close(self) -> None:
         """Nothing to release: each sync's bucket buffer died with it (the shared-memory manager stays
