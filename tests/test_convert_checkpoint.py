@@ -1,6 +1,8 @@
-"""tools/convert_checkpoint.py: HF <-> megatron-core distributed checkpoints at TP=2 x PP=2, for real."""
+"""tools/convert_checkpoint.py: HF <-> megatron-core distributed checkpoints at TP=2 x PP=2, for real: the
+files equal megatron-core's own save, megatron-core loads them at other layouts, and conversion streams."""
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +12,8 @@ import torch
 from torchrun_launch import torchrun
 
 sys.path.insert(0, str(Path(__file__).parent / "distributed"))
+sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
+from bench_convert import measured  # noqa: E402  (a conversion's time and peak memory, in a fresh process)
 from tiny_models import hf_model  # noqa: E402
 
 from megatron_dapo.checkpoint.convert import hf_to_mcore, mcore_to_hf  # noqa: E402
@@ -21,7 +25,7 @@ pytestmark = pytest.mark.slow
 TOOL = Path(__file__).parents[1] / "tools" / "convert_checkpoint.py"
 
 
-@pytest.fixture(scope="module", params=["qwen2_tied", "qwen2", "llama"])
+@pytest.fixture(scope="module", params=["qwen2_tied", "qwen2", "llama", "qwen3"])
 def converted(request, tmp_path_factory):
     kind = request.param
     root = tmp_path_factory.mktemp(f"convert_{kind}")
@@ -69,6 +73,46 @@ def test_loaded_at_tp1_and_tp2_pp2_matches_transformers(converted, tmp_path):
         assert r["tokens"] == 138 and r["max_abs_logp"] < 1e-4, (layout, r)
 
 
+def _same_checkpoint(a: Path, b: Path):
+    """Same keys, global shapes, dtypes and chunks, and equal tensors."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from megatron_dapo.checkpoint.mcore_stream import McoreCheckpointReader
+
+    ma = FileSystemReader(str(a)).read_metadata().state_dict_metadata
+    mb = FileSystemReader(str(b)).read_metadata().state_dict_metadata
+    assert sorted(ma) == sorted(mb)
+    regions = {}
+    for key, x in ma.items():
+        y = mb[key]
+        assert type(x) is type(y), key
+        if isinstance(x, TensorStorageMetadata):
+            assert (x.size, x.properties.dtype) == (y.size, y.properties.dtype), key
+            chunks = [sorted((tuple(c.offsets), tuple(c.sizes)) for c in m.chunks) for m in (x, y)]
+            assert chunks[0] == chunks[1], key
+            regions[key] = x
+    ra, rb = McoreCheckpointReader(a), McoreCheckpointReader(b)
+    for key in regions:  # the whole stored tensor, read through the region reader's non-layer path
+        ta, tb = ra.read([key])[key], rb.read([key])[key]
+        assert ta.dtype == tb.dtype and torch.equal(ta, tb), key
+
+
+def test_files_equal_megatron_cores_own_save(converted, tmp_path):
+    kind, root = converted
+    (tmp_path / "ref").mkdir()
+    torchrun("mcore_save_worker.py", 4, str(root / "hf"), str(tmp_path / "ref"), "2", "2")
+    _same_checkpoint(root / "mcore", tmp_path / "ref")
+    # And a checkpoint megatron-core wrote (as the trainer does) converts back to the same HF tensors.
+    for name in ("megatron_dapo.json", "hf"):
+        src = root / "mcore" / name
+        (shutil.copytree if src.is_dir() else shutil.copy2)(src, tmp_path / "ref" / name)
+    mcore_to_hf(tmp_path / "ref", tmp_path / "back")
+    src, back = HFCheckpoint(root / "hf"), HFCheckpoint(tmp_path / "back")
+    assert sorted(back.names()) == sorted(src.names())
+    assert all(torch.equal(back.get(n), src.get(n)) for n in src.names())
+
+
 def test_bf16_round_trip_keeps_dtype_and_bits(tmp_path):
     model, _ = hf_model("llama")
     model.to(torch.bfloat16).save_pretrained(tmp_path / "hf")
@@ -90,8 +134,6 @@ def source(tmp_path_factory):
 
 
 def _copy(src, dst):
-    import shutil
-
     shutil.copytree(src, dst)
     return dst
 
@@ -153,3 +195,63 @@ def test_sizes_that_do_not_divide(source, tmp_path):
     with pytest.raises(ConfigError, match="num_attention_heads"):
         hf_to_mcore(source[0], tmp_path / "out", tp=8, pp=1)
     assert _nothing_written(tmp_path / "out")
+
+
+@pytest.fixture(scope="module")
+def source_mcore(source, tmp_path_factory):
+    out = tmp_path_factory.mktemp("bad_mcore") / "mcore"
+    hf_to_mcore(source[0], out, tp=2, pp=1)
+    return out
+
+
+def test_truncated_distributed_checkpoint(source_mcore, tmp_path):
+    bad = _copy(source_mcore, tmp_path / "bad")
+    data = max(bad.glob("*.distcp"), key=lambda p: p.stat().st_size)
+    data.write_bytes(data.read_bytes()[:-100])
+    with pytest.raises(CheckpointError, match="truncated"):
+        mcore_to_hf(bad, tmp_path / "out")
+    assert _nothing_written(tmp_path / "out")
+
+
+def test_config_that_is_not_the_checkpoints_model(source, source_mcore, tmp_path):
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({**source[1], "intermediate_size": 128}))
+    with pytest.raises(CheckpointError, match=r"linear_fc1.weight has shape \(4, 192, 64\) but config.json implies"):
+        mcore_to_hf(source_mcore, tmp_path / "out", hf_config=other)
+    (other / "config.json").write_text(json.dumps({**source[1], "num_hidden_layers": 5}))
+    with pytest.raises(CheckpointError, match="config.json implies"):
+        mcore_to_hf(source_mcore, tmp_path / "out", hf_config=other)
+    assert _nothing_written(tmp_path / "out")
+
+
+def test_not_a_distributed_checkpoint(source, tmp_path):
+    with pytest.raises(CheckpointError, match="not a megatron-dapo distributed checkpoint"):
+        mcore_to_hf(source[0], tmp_path / "out")
+    assert _nothing_written(tmp_path / "out")
+
+
+# A model of 16 equal layers of 16.8 MB (fp32): streaming holds about one of them, never the 269 MB.
+BIG = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=512, intermediate_size=2048,
+           num_hidden_layers=16, num_attention_heads=8, num_key_value_heads=8, vocab_size=1024,
+           max_position_embeddings=64, rms_norm_eps=1e-5, tie_word_embeddings=False, torch_dtype="float32")
+
+def test_conversion_streams_about_one_layer(tmp_path):
+    from megatron_dapo.checkpoint.hf_mapping import expected_hf_names, hf_shape
+    from megatron_dapo.checkpoint.safetensors_io import write_hf_checkpoint
+    from megatron_dapo.policy.hf_config import model_spec_from_hf
+
+    spec = model_spec_from_hf(BIG)
+    g = torch.Generator().manual_seed(0)
+    tensors = ((n, torch.randn(hf_shape(n, spec), generator=g)) for n in sorted(expected_hf_names(spec)))
+    write_hf_checkpoint(tmp_path / "hf", tensors, config=BIG, max_shard_bytes=64 * 2**20)
+    model_mb = sum(f.stat().st_size for f in (tmp_path / "hf").glob("*.safetensors")) / 2**20
+    to_mcore = measured(f"hf_to_mcore({str(tmp_path / 'hf')!r}, {str(tmp_path / 'm')!r}, tp=2, pp=2)")[1]
+    to_hf = measured(f"mcore_to_hf({str(tmp_path / 'm')!r}, {str(tmp_path / 'back')!r}, "
+                     f"max_shard_bytes={32 * 2**20})")[1]
+    # One layer is 16.8 MB, its largest tensor (fc1) 8.4 MB; the HF writer holds up to one 32 MB shard.
+    assert model_mb > 260
+    assert to_mcore < 64, (to_mcore, model_mb)
+    assert to_hf < 112, (to_hf, model_mb)
+    src, back = HFCheckpoint(tmp_path / "hf"), HFCheckpoint(tmp_path / "back")
+    assert all(torch.equal(back.get(n), src.get(n)) for n in src.names())

@@ -9,5 +9,5 @@ import sys
 
 from megatron_dapo.checkpoint.convert import main
 
-if __name__ == "__main__":  # the workers are spawned and re-import this file
+if __name__ == "__main__":
     sys.exit(main())

@@ -1,13 +1,14 @@
-"""Convert checkpoints between Hugging Face and megatron-core's distributed format, at any TP x PP.
+"""Convert checkpoints between Hugging Face and megatron-core's distributed format.
 
     hf-to-mcore --input HF_DIR --output DIR --tp N --pp M
     mcore-to-hf --input DIR --output HF_DIR [--hf-config HF_DIR]
 
-Conversion runs on the CPU in N x M worker processes over gloo, each building its own stage of the
-model with megatron-core itself, so the result is exactly what the trainer saves and loads.
-Everything is checked before any worker starts (input readable and complete, every tensor known
-and of the right shape, sizes divisible, output folder free), and output goes to a temporary folder
-renamed into place only when complete.
+Both directions stream in one process (checkpoint/mcore_stream.py): about one full tensor in memory
+while writing the distributed checkpoint, one layer's tensors plus one output shard while writing
+Hugging Face files. megatron-core loads the result at any TP x PP; TP sets the vocabulary padding and
+the chunks, PP only what is recorded. Everything is checked before anything is written (input readable
+and complete, every tensor known and of the right shape, sizes divisible, output folder free), and
+output goes to a temporary folder renamed into place only when complete.
 """
 
 from __future__ import annotations
@@ -17,17 +18,26 @@ import json
 import os
 import shutil
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
-from megatron_dapo.checkpoint.hf_mapping import HF_EMBEDDING, HF_FINAL_NORM
+from megatron_dapo.checkpoint.hf_mapping import HF_EMBEDDING, HF_FINAL_NORM, hf_names, hf_tensors, megatron_names
 from megatron_dapo.checkpoint.mcore_checkpoint import HF_SUBDIR, read_meta, write_meta
-from megatron_dapo.checkpoint.safetensors_io import SIDE_FILES, CheckpointError, HFCheckpoint, holds_checkpoint
+from megatron_dapo.checkpoint.mcore_stream import McoreCheckpointReader, write_mcore_checkpoint
+from megatron_dapo.checkpoint.safetensors_io import (
+    SIDE_FILES,
+    CheckpointError,
+    HFCheckpoint,
+    holds_checkpoint,
+    write_hf_checkpoint,
+)
 from megatron_dapo.config import ParallelConfig
-from megatron_dapo.policy.hf_config import model_spec_from_hf
-from megatron_dapo.policy.model import check_divisibility
-from megatron_dapo.runtime import free_port
+from megatron_dapo.policy.hf_config import ModelSpec, model_spec_from_hf
+from megatron_dapo.policy.model import check_divisibility, padded_vocab_size
+
+_LAYER = "decoder.layers."
 
 
 def _check_output(out: Path) -> None:
@@ -37,76 +47,10 @@ def _check_output(out: Path) -> None:
         raise CheckpointError(f"{out}: exists and is not empty; choose a new output folder")
 
 
-def _run_workers(world: int, fn, *args) -> None:
-    import torch.multiprocessing as mp
-
-    port = free_port()
-    mp.start_processes(_worker_entry, args=(world, port, fn, args), nprocs=world, join=True, start_method="spawn")
-
-
-def _worker_entry(rank: int, world: int, port: int, fn, args) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-    fn(*args)
-
-
 def _progress(total: int, desc: str):
-    import torch.distributed as dist
     from tqdm import tqdm
 
-    return tqdm(total=total, desc=desc, unit="tensor", disable=dist.get_rank() != 0, file=sys.stderr)
-
-
-def _hf_to_mcore_worker(input_dir: str, tmp: str, tp: int, pp: int, dtype: torch.dtype) -> None:
-    from megatron.core import parallel_state
-
-    from megatron_dapo.checkpoint.hf_mapping import hf_names
-    from megatron_dapo.checkpoint.hf_weights import global_name, layer_offset, load_hf_weights
-    from megatron_dapo.checkpoint.mcore_checkpoint import save_model
-    from megatron_dapo.policy.model import build_model
-    from megatron_dapo.runtime import init_runtime, shutdown_runtime
-
-    parallel = ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp, device="cpu")
-    init_runtime(parallel)
-    ckpt = HFCheckpoint(input_dir)
-    spec = model_spec_from_hf(ckpt.config)
-    model = build_model(spec, parallel, pre_process=parallel_state.is_pipeline_first_stage(),
-                        post_process=parallel_state.is_pipeline_last_stage(), params_dtype=dtype,
-                        initialize=False)
-    offset = layer_offset(spec, parallel, parallel_state.get_pipeline_model_parallel_rank())
-    reads = sum(len(hf_names(global_name(n, offset), spec)) for n, _ in model.named_parameters())
-    bar = _progress(reads, "hf -> mcore (rank 0's stage)")
-
-    def get(name):
-        bar.update(1)
-        return ckpt.get(name)
-
-    load_hf_weights(model, get, spec, parallel)
-    bar.close()
-    save_model(model, tmp)
-    shutdown_runtime()
-
-
-def _mcore_to_hf_worker(input_dir: str, out: str, hf_dir: str, tp: int, pp: int, dtype: torch.dtype,
-                        max_shard_bytes: int) -> None:
-    from megatron.core import parallel_state
-
-    from megatron_dapo.checkpoint.hf_export import export_hf_checkpoint
-    from megatron_dapo.checkpoint.mcore_checkpoint import load_model
-    from megatron_dapo.policy.model import build_model
-    from megatron_dapo.runtime import init_runtime, shutdown_runtime
-
-    parallel = ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp, device="cpu")
-    init_runtime(parallel)
-    config = json.loads((Path(hf_dir) / "config.json").read_text())
-    spec = model_spec_from_hf(config)
-    model = build_model(spec, parallel, pre_process=parallel_state.is_pipeline_first_stage(),
-                        post_process=parallel_state.is_pipeline_last_stage(), params_dtype=dtype,
-                        initialize=False)
-    load_model(model, input_dir)
-    export_hf_checkpoint(model, spec, parallel, out, hf_config=config, side_files_from=hf_dir,
-                         max_shard_bytes=max_shard_bytes)
-    shutdown_runtime()
+    return tqdm(total=total, desc=desc, unit="tensor", file=sys.stderr)
 
 
 def _checkpoint_dtype(ckpt: HFCheckpoint) -> torch.dtype:
@@ -117,7 +61,7 @@ def _checkpoint_dtype(ckpt: HFCheckpoint) -> torch.dtype:
 
 
 def hf_to_mcore(input_dir, output_dir, *, tp: int, pp: int) -> Path:
-    """Hugging Face folder -> megatron-core distributed checkpoint saved at TP=tp x PP=pp."""
+    """Hugging Face folder -> megatron-core distributed checkpoint, as saved at TP=tp x PP=pp."""
     out = Path(output_dir)
     _check_output(out)
     ckpt = HFCheckpoint(input_dir)
@@ -130,7 +74,10 @@ def hf_to_mcore(input_dir, output_dir, *, tp: int, pp: int) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        _run_workers(tp * pp, _hf_to_mcore_worker, str(ckpt.path), str(tmp), tp, pp, dtype)
+        bar = _progress(len(megatron_names(spec)), "hf -> mcore")
+        write_mcore_checkpoint(tmp, ckpt.get, spec, tp=tp, padded_vocab=padded_vocab_size(spec.vocab_size, tp),
+                               dtype=dtype, on_tensor=lambda _: bar.update(1))
+        bar.close()
         write_meta(tmp, tensor_parallel=tp, pipeline_parallel=pp, dtype=dtype)
         (tmp / HF_SUBDIR).mkdir()
         for name in ("config.json", *SIDE_FILES):
@@ -145,6 +92,27 @@ def hf_to_mcore(input_dir, output_dir, *, tp: int, pp: int) -> Path:
     return out
 
 
+def _layers(spec: ModelSpec) -> Iterator[list[str]]:
+    """The model's Megatron tensors grouped as read: each layer's together, the others alone."""
+    group: list[str] = []
+    for mname in megatron_names(spec):
+        layer = mname.split(".", 3)[2] if mname.startswith(_LAYER) else None
+        if group and (layer is None or not group[0].startswith(f"{_LAYER}{layer}.")):
+            yield group
+            group = []
+        group.append(mname)
+    if group:
+        yield group
+
+
+def _hf_tensors(reader: McoreCheckpointReader, spec: ModelSpec, dtype: torch.dtype, bar):
+    for group in _layers(spec):
+        for mname, full in reader.read(group).items():
+            for name, tensor in hf_tensors(mname, [full], spec).items():
+                yield name, tensor.to(dtype)  # norms are stored in fp32 whatever the model's dtype
+            bar.update(len(hf_names(mname, spec)))
+
+
 def mcore_to_hf(input_dir, output_dir, *, hf_config=None, max_shard_bytes: int = 5 * 2**30) -> Path:
     """megatron-core distributed checkpoint -> Hugging Face folder (safetensors shards, index, config)."""
     out = Path(output_dir)
@@ -153,9 +121,14 @@ def mcore_to_hf(input_dir, output_dir, *, hf_config=None, max_shard_bytes: int =
     hf_dir = Path(hf_config) if hf_config else Path(input_dir) / HF_SUBDIR
     if not (hf_dir / "config.json").is_file():
         raise CheckpointError(f"{hf_dir}: no config.json; pass --hf-config with the model's Hugging Face folder")
-    model_spec_from_hf(json.loads((hf_dir / "config.json").read_text()))
-    _run_workers(meta["tensor_parallel"] * meta["pipeline_parallel"], _mcore_to_hf_worker, str(input_dir), str(out),
-                 str(hf_dir), meta["tensor_parallel"], meta["pipeline_parallel"], meta["dtype"], max_shard_bytes)
+    config = json.loads((hf_dir / "config.json").read_text())
+    spec = model_spec_from_hf(config)
+    reader = McoreCheckpointReader(input_dir)
+    reader.validate(spec)
+    bar = _progress(sum(len(hf_names(m, spec)) for m in megatron_names(spec)), "mcore -> hf")
+    write_hf_checkpoint(out, _hf_tensors(reader, spec, meta["dtype"], bar), config=config, side_files_from=hf_dir,
+                        max_shard_bytes=max_shard_bytes)
+    bar.close()
     return out
 
 

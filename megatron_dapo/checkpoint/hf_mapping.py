@@ -124,6 +124,14 @@ def hf_shape(hf_name: str, spec: ModelSpec) -> tuple[int, ...]:
     return table[key]
 
 
+def megatron_shape(mname: str, spec: ModelSpec, padded_vocab_size: int) -> tuple[int, ...]:
+    """The full (unsplit) shape of Megatron tensor `mname`."""
+    shapes = [hf_shape(n, spec) for n in hf_names(mname, spec)]
+    if mname in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        return (padded_vocab_size, *shapes[0][1:])
+    return (sum(s[0] for s in shapes), *shapes[0][1:])  # fused tensors stack their parts' rows
+
+
 def _fetch(get: Callable[[str], torch.Tensor], name: str, spec: ModelSpec) -> torch.Tensor:
     tensor = get(name)
     expected = hf_shape(name, spec)

@@ -2,7 +2,8 @@
 
 Reading checks every file's header against its size (a truncated download is refused before any
 tensor is read), that the index and the files agree, and that every tensor is one the architecture
-has, with the shape config.json implies. Tensors are then read one at a time, on demand.
+has, with the shape config.json implies. Tensors are then read one at a time, on demand, with plain
+reads rather than a memory map, so the bytes of tensors already used do not stay resident.
 
 Writing fills shards up to a size limit and holds at most one shard in memory; everything goes to a
 temporary folder beside the output, renamed into place only once complete, so a crash never leaves a
@@ -20,7 +21,6 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from megatron_dapo.checkpoint.hf_mapping import (
@@ -42,11 +42,18 @@ SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.jso
               "tokenizer.model", "added_tokens.json", "chat_template.jinja", "generation_config.json")
 
 
+# safetensors dtype names -> torch dtypes
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+
+
 class CheckpointError(ValueError):
     """A checkpoint that cannot be read or written as asked; the message names the file or tensor."""
 
 
-def _read_header(path: Path) -> dict:
+def _read_header(path: Path) -> tuple[dict, int]:
+    """The file's tensor entries, and where its data section starts."""
     size = path.stat().st_size
     with path.open("rb") as f:
         raw = f.read(8)
@@ -63,7 +70,11 @@ def _read_header(path: Path) -> dict:
     end = max((info["data_offsets"][1] for info in header.values()), default=0)
     if 8 + n + end > size:
         raise CheckpointError(f"{path}: tensors need {8 + n + end} bytes but the file has {size} (truncated?)")
-    return header
+    for tensor, info in header.items():
+        if info.get("dtype") not in _DTYPES:
+            raise CheckpointError(f"{path}: tensor {tensor!r} has dtype {info.get('dtype')!r}, which this reader "
+                                  f"does not know ({', '.join(_DTYPES)})")
+    return header, 8 + n
 
 
 class HFCheckpoint:
@@ -84,18 +95,21 @@ class HFCheckpoint:
             raise CheckpointError(f"{self.path}: neither {INDEX} nor {SINGLE}")
         self._file_of: dict[str, str] = {}
         self._shape: dict[str, tuple[int, ...]] = {}
+        self._where: dict[str, tuple[torch.dtype, int, int]] = {}  # dtype, first byte, byte count
         for name in files:
             file = self.path / name
             if not file.is_file():
                 raise CheckpointError(f"{self.path / INDEX} lists {name}, which is missing")
-            for tensor, info in _read_header(file).items():
+            header, data_start = _read_header(file)
+            for tensor, info in header.items():
                 self._file_of[tensor] = name
                 self._shape[tensor] = tuple(info["shape"])
+                begin, end = info["data_offsets"]
+                self._where[tensor] = (_DTYPES[info["dtype"]], data_start + begin, end - begin)
         if weight_map is not None:
             for tensor, name in weight_map.items():
                 if self._file_of.get(tensor) != name:
                     raise CheckpointError(f"{self.path / INDEX}: {tensor} is listed in {name} but is not there")
-        self._handles: dict[str, object] = {}
 
     def names(self) -> list[str]:
         return list(self._file_of)
@@ -106,10 +120,13 @@ class HFCheckpoint:
     def get(self, name: str) -> torch.Tensor:
         if name not in self._file_of:
             raise MappingError(f"{self.path}: no tensor {name!r} in the checkpoint")
-        file = self._file_of[name]
-        if file not in self._handles:
-            self._handles[file] = safe_open(str(self.path / file), framework="pt")
-        return self._handles[file].get_tensor(name)
+        dtype, start, nbytes = self._where[name]
+        data = torch.empty(nbytes, dtype=torch.uint8)
+        with (self.path / self._file_of[name]).open("rb", buffering=0) as f:
+            f.seek(start)
+            if f.readinto(memoryview(data.numpy())) != nbytes:
+                raise CheckpointError(f"{self.path / self._file_of[name]}: ended inside tensor {name!r} (truncated?)")
+        return data.view(dtype).reshape(self._shape[name])
 
     def validate(self, spec: ModelSpec) -> None:
         """Every expected tensor is there with the shape config.json implies, and nothing else is."""
