@@ -150,6 +150,13 @@ class RolloutConfig:
     max_server_restarts: int = 3
     weight_sync: str = "distributed"  # "distributed" (NCCL/gloo), "tensor" (colocated), "disk"
     weight_sync_bucket_mb: int = 512
+    # The servers share the trainer's nodes and accelerators: they release their memory while the trainer
+    # trains and take it back around the weight sync (SGLang's memory saver on GPUs).
+    colocate: bool = False
+    # Colocated on several nodes: the node each of server_urls runs on (its SLURM node name, else its host
+    # name), so that each node's first trainer rank pushes the weights to the servers beside it. Empty: all
+    # on global rank 0's node. The SLURM launcher fills it.
+    server_nodes: list[str] = field(default_factory=list)
 
     def __post_init__(self):
         _require(self.engine in ("sglang", "local"), "rollout.engine", f"must be 'sglang' or 'local', got {self.engine!r}")
@@ -164,6 +171,19 @@ class RolloutConfig:
         _require(self.weight_sync in ("distributed", "tensor", "disk"), "rollout.weight_sync",
                  f"must be 'distributed', 'tensor' or 'disk', got {self.weight_sync!r}")
         _whole(self.weight_sync_bucket_mb, "rollout.weight_sync_bucket_mb", 1)
+        if self.colocate:
+            _require(self.engine == "sglang", "rollout.colocate",
+                     "colocates SGLang servers with the trainer, but rollout.engine 'local' samples in the trainer "
+                     "itself; set rollout.colocate to false, or rollout.engine to 'sglang'")
+            _require(not (self.server_device == "cuda" and self.weight_sync == "distributed"), "rollout.weight_sync",
+                     "'distributed' would put a server rank and a trainer rank of one NCCL group on the same GPU, "
+                     "which NCCL refuses; colocated CUDA servers take 'tensor' (CUDA IPC) or 'disk'")
+        _require(not self.server_nodes or self.colocate, "rollout.server_nodes",
+                 "only colocated servers are matched to the trainer's nodes; set rollout.colocate to true or leave "
+                 "rollout.server_nodes empty")
+        _require(not self.server_nodes or len(self.server_nodes) == len(self.server_urls), "rollout.server_nodes",
+                 f"names {len(self.server_nodes)} node(s) for {len(self.server_urls)} rollout.server_urls; give "
+                 f"one node per URL, in the same order")
 
 
 @dataclass(frozen=True)

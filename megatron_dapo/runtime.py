@@ -32,6 +32,7 @@ class LaunchEnv:
     local_rank: int
     master_addr: str
     master_port: int
+    node: str  # the node this process runs on: its SLURM node name, else its host name
 
 
 def launch_env(environ=None) -> LaunchEnv:
@@ -45,7 +46,8 @@ def launch_env(environ=None) -> LaunchEnv:
         rank, world, local = 0, 1, 0
     if world > 1 and "MASTER_ADDR" not in env:
         raise ConfigError("MASTER_ADDR: not set; launch with torchrun, or export MASTER_ADDR/MASTER_PORT for srun")
-    return LaunchEnv(rank, world, local, env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", 29500)))
+    return LaunchEnv(rank, world, local, env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", 29500)),
+                     env.get("SLURMD_NODENAME") or socket.gethostname())
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,8 @@ advantages; groups that are all right or all wrong are dropped and sampling goes
 is full (dynamic sampling); the policy recomputes the old log-probs; the batch is cut into
 mini-batches, each one optimizer step of the fused clipped token-level loss; the new weights go to
 the inference engine. Global rank 0 (the driver) runs the rollout and hands the kept batch to every
-rank; everything after that is collective.
+rank; everything after that is collective. Colocated servers (rollout.colocate) release their memory
+once the rollout is done and take it back around the weight sync.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from megatron_dapo.policy.rollout_samples import (
 from megatron_dapo.policy.train_step import PolicyTrainer
 from megatron_dapo.reward import RewardPool
 from megatron_dapo.rollout.engine import SamplingParams, sample_seed
+from megatron_dapo.rollout.server_memory import ServerMemory
 from megatron_dapo.run_config import DapoConfig
 from megatron_dapo.runtime import init_runtime, shutdown_runtime
 
@@ -93,7 +95,9 @@ class DapoTrainer:
         if self.driver:
             self.metrics = MetricsLogger(self.output_dir, tensorboard=cfg.train.tensorboard,
                                          resume_step=self.step_index if resume is not None else None)
+        self.server_urls = self._server_urls()
         self.syncer = self._weight_syncer()
+        self.server_memory = ServerMemory(self.server_urls, self.runtime.device) if cfg.rollout.colocate else None
         if resume is not None:
             self.sync_weights()  # the servers start from the initial weights
 
@@ -138,19 +142,28 @@ class DapoTrainer:
         return sglang_engine(cfg.rollout, cfg.model.path, self.output_dir / "sglang",
                              on_server_restart=self._on_server_restart)
 
-    def _weight_syncer(self):
+    def _server_urls(self) -> list[str]:
+        """Every SGLang server's own URL (not the router's), on every rank; none for the local engine."""
         if self.cfg.rollout.engine == "local":
-            return None  # the local engine samples from the live policy
+            return []
         from megatron_dapo.rollout.from_config import server_urls
-        from megatron_dapo.weight_sync import make_weight_syncer
 
         box = [server_urls(self.engine) if self.driver else None]
         dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def _weight_syncer(self):
+        if self.cfg.rollout.engine == "local":
+            return None  # the local engine samples from the live policy
+        from megatron_dapo.weight_sync import make_weight_syncer
+
         r = self.cfg.rollout
-        # The servers reach trainer rank 0 (the distributed route's broadcasts) where the trainers rendezvous.
-        return make_weight_syncer(r.weight_sync, box[0], self.spec, self.cfg.parallel, self.hf_config,
+        # The servers reach trainer rank 0 (the distributed route's broadcasts) where the trainers rendezvous;
+        # colocated servers get the tensor route's weights from the first trainer rank on their node.
+        return make_weight_syncer(r.weight_sync, self.server_urls, self.spec, self.cfg.parallel, self.hf_config,
                                   bucket_mb=r.weight_sync_bucket_mb, work_dir=self.output_dir / "weights",
-                                  master_address=self.runtime.env.master_addr)
+                                  master_address=self.runtime.env.master_addr, server_nodes=r.server_nodes,
+                                  node=self.runtime.env.node)
 
     # -- the rollout, on the driver ------------------------------------------------------------------
 
@@ -206,6 +219,9 @@ class DapoTrainer:
         start = time.perf_counter()
         with timer("rollout"):
             items, metrics = self._rollout()
+        if self.server_memory is not None:  # colocated: the servers' memory is the trainer's until the sync
+            with timer("release"):
+                self.server_memory.release()
         train_metrics = {}
         if items:
             with timer("old_logprob"):
@@ -218,8 +234,14 @@ class DapoTrainer:
             with timer("train"):
                 results = [self.policy.step(mini) for mini in split_even(samples, self.cfg.train.updates_per_step)]
             train_metrics = self._train_metrics(results, sums, abs_max)
+        if self.server_memory is not None:
+            with timer("resume"):
+                self.server_memory.resume_weights()
         with timer("sync"):
             self.sync_weights()
+        if self.server_memory is not None:
+            with timer("resume"):
+                self.server_memory.resume_caches()
         self.step_index += 1
         tokens = sum(len(it.prompt_ids) + len(it.output_ids) for it in items)
         step_s = time.perf_counter() - start

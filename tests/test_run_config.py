@@ -71,10 +71,28 @@ def test_bad_values_name_their_key(override, key):
     (["rollout.engine=local", "parallel.tensor_parallel=2"], "rollout.engine"),
     (["rollout.weight_sync=tensor", "rollout.num_servers=2"], "rollout.weight_sync"),
     (["train.updates_per_step=20", "algorithm.batch_size=2", "algorithm.group_size=4"], "train.updates_per_step"),
+    (["rollout.colocate=true", "rollout.engine=local"], "rollout.colocate: .* set rollout.colocate to false"),
+    (["rollout.colocate=true", "rollout.weight_sync=distributed"], "rollout.weight_sync: .* take 'tensor'"),
+    (["rollout.server_urls=[http://a:1]", "rollout.server_nodes=[n1]"], "rollout.server_nodes: only colocated"),
+    (["rollout.colocate=true", "rollout.weight_sync=disk", "rollout.server_urls=[http://a:1]",
+      "rollout.server_nodes=[n1, n2]"],
+     "rollout.server_nodes: names 2 node"),
 ])
 def test_bad_combinations_name_a_key(overrides, key):
     with pytest.raises(ConfigError, match=key):
         config_from_dict(MINIMAL, overrides)
+
+
+def test_colocated_servers_get_the_memory_saver_on_gpus_only():
+    from megatron_dapo.rollout.from_config import server_config
+
+    colocated = ["rollout.colocate=true", "rollout.weight_sync=tensor"]
+    gpu = config_from_dict(MINIMAL, colocated).rollout
+    assert "--enable-memory-saver" in server_config(gpu, "m").extra_args
+    # CPU servers have no memory saver (CUDA only); NCCL's one-rank-per-GPU rule does not bind gloo
+    cpu = config_from_dict(MINIMAL, [*colocated[:1], "rollout.server_device=cpu", "rollout.weight_sync=distributed"])
+    assert "--enable-memory-saver" not in server_config(cpu.rollout, "m").extra_args
+    assert "--enable-memory-saver" not in server_config(config_from_dict(MINIMAL).rollout, "m").extra_args
 
 
 def test_bad_files(tmp_path):

@@ -1,5 +1,7 @@
 """The runtime's launch-environment parsing and the megatron-core CPU compatibility layer."""
 
+import socket
+
 import pytest
 import torch
 
@@ -14,8 +16,13 @@ def test_torchrun_environment():
 
 
 def test_slurm_environment():
-    env = launch_env({"SLURM_PROCID": "5", "SLURM_NTASKS": "16", "SLURM_LOCALID": "5", "MASTER_ADDR": "n1"})
-    assert (env.rank, env.world_size, env.local_rank, env.master_port) == (5, 16, 5, 29500)
+    env = launch_env({"SLURM_PROCID": "5", "SLURM_NTASKS": "16", "SLURM_LOCALID": "5", "MASTER_ADDR": "n1",
+                      "SLURMD_NODENAME": "gpu-017"})
+    assert (env.rank, env.world_size, env.local_rank, env.master_port, env.node) == (5, 16, 5, 29500, "gpu-017")
+
+
+def test_the_node_is_the_host_outside_slurm():
+    assert launch_env({}).node == socket.gethostname()
 
 
 def test_single_process_without_launcher():

@@ -1,7 +1,10 @@
-"""launch/dapo.sbatch on a real two-node Slurm cluster on this machine (tests/slurm/cluster-up.sh): one
-fake node trains on the CPU, the other serves SGLang. A job runs 2 DAPO steps; a second job, whose SGLang
-step is cancelled, fails naming that step and leaves no process behind; a third (the same script again)
-resumes from the first job's checkpoint."""
+"""launch/dapo.sbatch on a real two-node Slurm cluster on this machine (tests/slurm/cluster-up.sh).
+
+Disaggregated: one fake node trains on the CPU, the other serves SGLang. A job runs 2 DAPO steps; a second
+job, whose SGLang step is cancelled, fails naming that step and leaves no process behind; a third (the same
+script again) resumes from the first job's checkpoint. Colocated: both nodes train and serve, each node's
+first trainer pushing the weights to the server beside it, the servers releasing their memory while the
+trainer trains."""
 
 import json
 import os
@@ -15,7 +18,7 @@ import pytest
 from test_trainer_loop import task  # noqa: F401  (the tiny warm-started model and its data)
 
 from megatron_dapo.config import RolloutConfig
-from megatron_dapo.slurm.allocation import AllocationError, Node, job_nodes, split_nodes
+from megatron_dapo.slurm.allocation import AllocationError, Node, colocate_nodes, job_nodes, split_nodes
 from megatron_dapo.slurm.job import servers_per_node
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,6 +37,14 @@ def test_split_nodes_keeps_the_first_nodes_for_training():
         split_nodes(nodes[:2], 2)
     with pytest.raises(AllocationError, match="SLURM_JOB_NODELIST is not set"):
         job_nodes({})
+
+
+def test_colocated_jobs_train_and_serve_on_every_node():
+    nodes = [Node(f"n{i}", f"10.0.0.{i}") for i in range(1, 3)]
+    layout = colocate_nodes(nodes, None)
+    assert layout.train == nodes and layout.rollout == nodes and layout.master.name == "n1"
+    with pytest.raises(AllocationError, match="ROLLOUT_NODES / --rollout-nodes \\(1\\): a colocated job"):
+        colocate_nodes(nodes, 1)
 
 
 def test_job_nodes_reads_hostnames_and_addresses():
@@ -163,4 +174,32 @@ def test_train_then_sglang_step_killed_then_resume(cluster, task, tmp_path):  # 
     assert [r["step"] for r in metrics(out)] == [1, 2, 3]
     assert (out / "checkpoints" / "step_000003" / "COMPLETE").is_file()
     assert "resumed from" in job_output(out, job)
+    assert_no_process_left(str(tmp_path), str(task))
+
+
+@pytest.mark.slow
+def test_colocated_job_on_two_nodes(cluster, task, tmp_path):  # noqa: F811
+    out = tmp_path / "run"
+    out.mkdir()
+    colocated = ("rollout.colocate=true", "rollout.weight_sync=tensor")
+    # ROLLOUT_NODES asks for separate rollout nodes: refused by name before anything starts
+    job = submit({**cluster, "ROLLOUT_NODES": "1"}, out, task, *colocated)
+    state, _ = wait_job(cluster, job, out)
+    assert state == "FAILED" and "launch: FAILED: ROLLOUT_NODES / --rollout-nodes (1)" in job_output(out, job)
+
+    job = submit(cluster, out, task, *colocated)
+    state, code = wait_job(cluster, job, out)
+    assert (state, code) == ("COMPLETED", "0:0"), job_output(out, job)
+    text = (out / f"dapo-{job}.out").read_text()
+    assert 'rollout.server_nodes=["n1", "n2"]' in text and "launch: training finished" in text
+    records = metrics(out)
+    assert [r["step"] for r in records] == [1, 2]
+    for r in records:  # both servers were released after the rollout and resumed around the sync
+        assert r["time/release"] > 0 and r["time/resume"] > 0, r
+    assert (out / "checkpoints" / "step_000002" / "COMPLETE").is_file()
+    for i in (0, 1):  # each server paused, released, resumed, and took its weights as tensors, twice
+        log = (out / "slurm" / f"job-{job}" / f"sglang-{i}.log").read_text()
+        for endpoint in ("pause_generation", "release_memory_occupation", "resume_memory_occupation",
+                         "update_weights_from_tensor", "continue_generation"):
+            assert log.count(f"POST /{endpoint} HTTP/1.1\" 200") >= 2, (i, endpoint)
     assert_no_process_left(str(tmp_path), str(task))

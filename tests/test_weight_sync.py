@@ -2,8 +2,9 @@
 
 One torchrun run per layout does one optimizer step, then for every route puts the server back to the
 original weights, syncs, and samples again; the cases below read that run's record for their route.
-The distributed route is also taken across a server restart; bucket packing and bad settings are
-checked without a server.
+The distributed route is also taken across a server restart, and the tensor route in the colocated
+order (release the server's memory, resume its weights, sync from the trainer rank on its node, resume
+its caches); bucket packing and bad settings are checked without a server.
 """
 
 import json
@@ -114,6 +115,22 @@ def test_bad_routes_and_sizes_are_refused_by_name(tmp_path):
         make_weight_syncer("distributed", ["http://127.0.0.1:1"], spec, parallel, {}, bucket_mb=0)
     with pytest.raises(ValueError, match="work_dir is required for the disk route"):
         make_weight_syncer("disk", ["http://127.0.0.1:1"], spec, parallel, {})
+
+
+@pytest.mark.slow
+def test_colocated_release_resume_and_sync_from_the_servers_node(server, tmp_path):
+    srv, root = server
+    torchrun("colocated_sync_worker.py", 2, str(tmp_path / "out.json"), str(root / "model"), srv.url, str(BUCKET_MB))
+    r = json.loads((tmp_path / "out.json").read_text())
+    spec = _spec()
+    names = [n for m in megatron_names(spec) for n in hf_names(m, spec)]
+    for received in r["received"]:  # with two receivers, each rank gets every tensor, exactly
+        assert [n for n, _ in received] == names and max(d for _, d in received) == 0.0
+    # the server is on rank 1's "node": rank 1 alone receives the tensors and pushes them, all of them once
+    assert r["pushers"] == [1] and r["pushed"] == [None, buckets.model_bytes(spec, torch.float32)], r
+    assert r["stale"] > 1e-3, "the step did not change the policy"
+    assert r["samples_after"] == 16 and r["versions_after"] == ["1"] and r["after"] < 1e-4, r
+    assert set(r["seconds"]) == {"release", "resume_weights", "sync", "resume_caches"}
 
 
 # Last among the server tests: it restarts the shared server.

@@ -2,13 +2,14 @@
 
 Every rank walks the model's tensors in the same order. The data-parallel replica 0 of the stage
 that holds a tensor all-gathers its tensor-parallel shards, turns them into HF tensors through the
-mapping, and sends them to global rank 0, which yields them. Peak extra memory on rank 0 is one
-full tensor. Used to export a Hugging Face checkpoint from a live (or just loaded) model.
+mapping, and sends them to global rank 0 (or to each of a list of receiving ranks), which yields them.
+Peak extra memory on a receiver is one full tensor. Used to export a Hugging Face checkpoint from a live
+(or just loaded) model, and by the weight sync.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -38,9 +39,11 @@ def _local_name(mname: str, spec: ModelSpec, parallel: ParallelConfig, stage: in
     return f"{_LAYER_PREFIX}{int(layer) - layer_offset(spec, parallel, stage)}.{rest}"
 
 
-def iter_hf_tensors(model: torch.nn.Module, spec: ModelSpec, parallel: ParallelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """On global rank 0: (hf_name, full tensor in the model's params_dtype) for every tensor of the
-    model. On other ranks: nothing, but every rank must iterate to the end (the gathers are collective)."""
+def iter_hf_tensors(model: torch.nn.Module, spec: ModelSpec, parallel: ParallelConfig,
+                    receivers: Sequence[int] = (0,)) -> Iterator[tuple[str, torch.Tensor]]:
+    """On each global rank in `receivers`: (hf_name, full tensor in the model's params_dtype) for every
+    tensor of the model. On other ranks: nothing, but every rank must iterate to the end (the gathers
+    are collective)."""
     from megatron.core import parallel_state
 
     params = dict(model.named_parameters())
@@ -51,11 +54,9 @@ def iter_hf_tensors(model: torch.nn.Module, spec: ModelSpec, parallel: ParallelC
     first_dp = parallel_state.get_data_parallel_rank() == 0
     tp_group = parallel_state.get_tensor_model_parallel_group()
     me = dist.get_rank()
+    sender = _stage_senders(stage, first_dp and parallel_state.get_tensor_model_parallel_rank() == 0)
     for mname in megatron_names(spec):
         owner = _owner_stage(mname, spec, parallel)
-        # The sender: replica 0 of the owning stage, tensor-parallel rank 0.
-        src = parallel_state.get_pipeline_model_parallel_group()
-        src_rank = dist.get_global_rank(src, owner) if parallel.pipeline_parallel > 1 else me
         if stage == owner and first_dp:
             local = params[_local_name(mname, spec, parallel, stage)].detach().to(dtype)
             if tp_dim(mname) is None:
@@ -66,17 +67,25 @@ def iter_hf_tensors(model: torch.nn.Module, spec: ModelSpec, parallel: ParallelC
             tensors = hf_tensors(mname, shards, spec)
         else:
             tensors = None
-        is_sender = stage == owner and first_dp and parallel_state.get_tensor_model_parallel_rank() == 0
         for name in hf_names(mname, spec):
-            if me == 0:
-                if is_sender:
+            if me == sender[owner]:
+                for dst in receivers:
+                    if dst != me:
+                        dist.send(tensors[name].contiguous(), dst=dst)
+                if me in receivers:
                     yield name, tensors[name]
-                else:
-                    buf = torch.empty(hf_shape(name, spec), dtype=dtype, device=device)
-                    dist.recv(buf, src=src_rank)
-                    yield name, buf
-            elif is_sender:
-                dist.send(tensors[name].contiguous(), dst=0)
+            elif me in receivers:
+                buf = torch.empty(hf_shape(name, spec), dtype=dtype, device=device)
+                dist.recv(buf, src=sender[owner])
+                yield name, buf
+
+
+def _stage_senders(stage: int, is_sender: bool) -> dict[int, int]:
+    """Pipeline stage -> the global rank that sends its tensors (data-parallel replica 0, tensor-parallel
+    rank 0). Collective: every rank says whether it is its stage's sender."""
+    found = [None] * dist.get_world_size()
+    dist.all_gather_object(found, stage if is_sender else None)
+    return {s: rank for rank, s in enumerate(found) if s is not None}
 
 
 def export_hf_checkpoint(model, spec: ModelSpec, parallel: ParallelConfig, out_dir, *, hf_config: dict,

@@ -20,7 +20,9 @@ def server_config(rollout: RolloutConfig, model_path: str, *, host: str = "127.0
                               max_total_tokens=16384 if on_cpu else None,
                               startup_timeout_s=rollout.server_startup_timeout_s,
                               extra_args=list(rollout.server_extra_args)
-                              + (["--enable-deterministic-inference"] if rollout.deterministic else []))
+                              + (["--enable-deterministic-inference"] if rollout.deterministic else [])
+                              # GPU memory that /release_memory_occupation can hand back (CUDA only).
+                              + (["--enable-memory-saver"] if rollout.colocate and not on_cpu else []))
 
 
 def sglang_engine(rollout: RolloutConfig, model_path: str, log_dir, *,

@@ -1,4 +1,4 @@
-"""The job's nodes from SLURM's environment, split into training nodes and rollout nodes."""
+"""The job's nodes from SLURM's environment, split into training nodes and rollout nodes (or shared by both)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ class Node:
 @dataclass(frozen=True)
 class Layout:
     train: list[Node]  # the first nodes: the batch script runs on train[0], which hosts the rendezvous
-    rollout: list[Node]
+    rollout: list[Node]  # the last nodes; colocated: the same nodes as train
 
     @property
     def master(self) -> Node:
@@ -54,3 +54,12 @@ def split_nodes(nodes: list[Node], rollout_nodes: int) -> Layout:
         raise AllocationError(f"--rollout-nodes: {rollout_nodes} of a {len(nodes)}-node job leaves no node to "
                               f"train on; ask sbatch for more nodes (--nodes={rollout_nodes + 1} or more)")
     return Layout(train=nodes[:-rollout_nodes], rollout=nodes[-rollout_nodes:])
+
+
+def colocate_nodes(nodes: list[Node], rollout_nodes: int | None) -> Layout:
+    """Every node trains and serves SGLang."""
+    if rollout_nodes is not None:
+        raise AllocationError(f"ROLLOUT_NODES / --rollout-nodes ({rollout_nodes}): a colocated job "
+                              f"(rollout.colocate: true) serves SGLang on every node it trains on; unset "
+                              f"ROLLOUT_NODES, or set rollout.colocate to false for separate rollout nodes")
+    return Layout(train=list(nodes), rollout=list(nodes))

@@ -1,12 +1,15 @@
-"""Disaggregated DAPO inside a SLURM allocation: `python -m megatron_dapo.slurm.job CONFIG [overrides...]`.
+"""DAPO inside a SLURM allocation: `python -m megatron_dapo.slurm.job CONFIG [overrides...]`.
 
-Run by launch/dapo.sbatch on the job's first node. The last `--rollout-nodes` nodes run SGLang servers (one
-`srun --overlap` step of `megatron_dapo.slurm.serve` each, as many per node as its GPUs hold at
-rollout.server_tensor_parallel, one on CPUs); once all answer /health, the other
-nodes train (one `srun` step of `megatron-dapo train`, one task per GPU, rendezvous on the first node)
-with `rollout.server_urls` pointing at them. When training ends, or any step fails, every step started
-here is stopped; a failure exits non-zero naming the step. A requeued or resubmitted job with the same
-`train.output_dir` resumes from its newest complete checkpoint (the trainer does that by itself).
+Run by launch/dapo.sbatch on the job's first node. Disaggregated (the default), the last `--rollout-nodes`
+nodes run SGLang servers; colocated (rollout.colocate: true), every node does, on the GPUs it trains on.
+Each server is one `srun --overlap` step of `megatron_dapo.slurm.serve`, as many per node as its GPUs hold
+at rollout.server_tensor_parallel (one on CPUs); once all answer /health, the training nodes train (one
+`srun` step of `megatron-dapo train`, one task per GPU, rendezvous on the first node) with
+`rollout.server_urls` pointing at them (and, colocated, `rollout.server_nodes` saying where each one runs,
+so that each node's trainers push the weights to their own servers). When training ends, or any step fails,
+every step started here is stopped; a failure exits non-zero naming the step. A requeued or resubmitted
+job with the same `train.output_dir` resumes from its newest complete checkpoint (the trainer does that
+by itself).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from megatron_dapo.config import ConfigError
 from megatron_dapo.rollout.sglang_server import health_ok
 from megatron_dapo.run_config import load_config
 from megatron_dapo.runtime import free_port
-from megatron_dapo.slurm.allocation import AllocationError, Node, job_nodes, split_nodes
+from megatron_dapo.slurm.allocation import AllocationError, Node, colocate_nodes, job_nodes, split_nodes
 
 POLL_S = 0.5
 
@@ -110,7 +113,8 @@ def parse_args(argv):
     parser = argparse.ArgumentParser(prog="python -m megatron_dapo.slurm.job", description=__doc__)
     parser.add_argument("config", help="the run's YAML config (see launch/configs/)")
     parser.add_argument("overrides", nargs="*", help="section.key=value overrides, as for megatron-dapo train")
-    parser.add_argument("--rollout-nodes", type=int, default=1, help="nodes serving SGLang (the job's last ones)")
+    parser.add_argument("--rollout-nodes", type=int, default=None,
+                        help="nodes serving SGLang, the job's last ones (default 1; none when rollout.colocate)")
     parser.add_argument("--servers-per-node", type=int, default=None,
                         help="SGLang servers per rollout node (default: its GPUs / rollout.server_tensor_parallel)")
     parser.add_argument("--train-tasks-per-node", type=int,
@@ -123,10 +127,14 @@ def run(args) -> None:
     cfg = load_config(args.config, args.overrides)
     if cfg.rollout.engine != "sglang":
         raise ConfigError("rollout.engine: the SLURM launcher serves rollouts with SGLang; set it to 'sglang'")
-    if cfg.rollout.weight_sync == "tensor":
+    if cfg.rollout.colocate:
+        layout = colocate_nodes(job_nodes(), args.rollout_nodes)
+    elif cfg.rollout.weight_sync == "tensor":
         raise ConfigError("rollout.weight_sync: 'tensor' needs the server on the trainer's node; with separate "
-                          "rollout nodes use 'distributed' (GPUs) or 'disk' (a shared filesystem)")
-    layout = split_nodes(job_nodes(), args.rollout_nodes)
+                          "rollout nodes use 'distributed' (GPUs) or 'disk' (a shared filesystem), or set "
+                          "rollout.colocate to true")
+    else:
+        layout = split_nodes(job_nodes(), args.rollout_nodes or 1)
     job_dir = Path(cfg.train.output_dir).resolve() / "slurm" / f"job-{os.environ.get('SLURM_JOB_ID', 'local')}"
     job_dir.mkdir(parents=True, exist_ok=True)
     config = str(Path(args.config).resolve())
@@ -147,9 +155,11 @@ def run(args) -> None:
         urls = wait_for_servers(servers, url_files, cfg.rollout.server_startup_timeout_s)
         print(f"launch: SGLang servers healthy: {' '.join(urls)}", flush=True)
         train_env = {**env, "MASTER_ADDR": layout.master.address, "MASTER_PORT": str(free_port())}
+        nodes = [node.name for node, _ in slots]
+        placed = [f"rollout.server_nodes={json.dumps(nodes)}"] if cfg.rollout.colocate else []
         train = srun("train", layout.train, args.train_tasks_per_node,
                      [py, "-m", "megatron_dapo.cli", "train", config, *args.overrides,
-                      "rollout.engine=sglang", f"rollout.server_urls={json.dumps(urls)}"], train_env)
+                      "rollout.engine=sglang", f"rollout.server_urls={json.dumps(urls)}", *placed], train_env)
         steps.append(train)
         watch(train, servers)
         print("launch: training finished", flush=True)

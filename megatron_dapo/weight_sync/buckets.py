@@ -2,13 +2,13 @@
 
 A bucket is one flat byte buffer holding its tensors back to back in iteration order, which is the
 layout SGLang's `flattened_bucket` format rebuilds on the other side. The buffer is allocated once and
-refilled for every bucket, so the extra memory on global rank 0 is one bucket (plus the tensor in
+refilled for every bucket, so the extra memory on a receiving rank is one bucket (plus the tensor in
 flight from the gather). A tensor larger than a bucket travels alone, in a buffer of its own size.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -62,12 +62,13 @@ def model_bytes(spec: ModelSpec, dtype: torch.dtype) -> int:
 
 
 def iter_hf_buckets(model: torch.nn.Module, spec: ModelSpec, parallel: ParallelConfig, bucket_bytes: int,
-                    allocate: Allocator = plain_buffer) -> Iterator[Bucket]:
-    """On global rank 0: the model's HF tensors in buckets of at most `bucket_bytes` (a bigger tensor
-    alone), in buffers from `allocate`. Elsewhere: nothing. Collective: every rank must iterate to the
-    end, and rank 0 must be done with a bucket before asking for the next one (its buffer is reused)."""
-    tensors = iter_hf_tensors(model, spec, parallel)
-    if dist.get_rank() != 0:
+                    allocate: Allocator = plain_buffer, receivers: Sequence[int] = (0,)) -> Iterator[Bucket]:
+    """On each global rank in `receivers`: the model's HF tensors in buckets of at most `bucket_bytes` (a
+    bigger tensor alone), in buffers from `allocate`. Elsewhere: nothing. Collective: every rank must
+    iterate to the end, and a receiver must be done with a bucket before asking for the next one (its
+    buffer is reused)."""
+    tensors = iter_hf_tensors(model, spec, parallel, receivers)
+    if dist.get_rank() not in receivers:
         for _ in tensors:
             pass
         return

@@ -121,7 +121,8 @@ class DistributedSyncer:
         if dist.get_rank() == 0:
             self._regroup_if_restarted()
         buckets = iter_hf_buckets(model, self.spec, self.parallel, self.bucket_bytes)
-        return push_buckets(self.urls, buckets, lambda bucket: self._push(bucket, version), self.timeout_s)
+        return push_buckets(self.urls if dist.get_rank() == 0 else [], buckets,
+                            lambda bucket: self._push(bucket, version), self.timeout_s)
 
     def close(self) -> None:
         """Leave the weight group on both sides."""

@@ -73,19 +73,17 @@ def server_tp_size(url: str) -> int:
 
 def push_buckets(urls: list[str], buckets: Iterable[Bucket], push: Callable[[Bucket], None],
                  timeout_s: float) -> SyncMetrics | None:
-    """Collective over the trainer's ranks: `push` every bucket (all ranks walk them; rank 0 sends)
-    between /begin_weight_update and /end_weight_update. The metrics on rank 0, None elsewhere."""
+    """Collective over the trainer's ranks: every rank walks `buckets`; a rank given the `urls` of the
+    servers it feeds (an empty list elsewhere) `push`es each bucket between their /begin_weight_update and
+    /end_weight_update. The metrics where there were servers to push to, None elsewhere."""
     start = time.perf_counter()
-    rank0 = dist.get_rank() == 0
     nbytes = 0
-    if rank0:
-        call_all(urls, "/begin_weight_update", {}, timeout_s)
+    call_all(urls, "/begin_weight_update", {}, timeout_s)
     try:
         for bucket in buckets:
             push(bucket)
             nbytes += bucket.nbytes
     finally:
-        if rank0:
-            call_all(urls, "/end_weight_update", {}, timeout_s)
+        call_all(urls, "/end_weight_update", {}, timeout_s)
     dist.barrier()
-    return SyncMetrics(nbytes, time.perf_counter() - start) if rank0 else None
+    return SyncMetrics(nbytes, time.perf_counter() - start) if urls else None

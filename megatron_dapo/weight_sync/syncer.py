@@ -5,13 +5,15 @@
     syncer.close()
 
 Routes: "distributed" (servers on other GPUs or machines: a weight-update process group, NCCL/gloo),
-"tensor" (servers on trainer rank 0's machine: shared memory / CUDA IPC handles), "disk" (a Hugging
-Face checkpoint in `work_dir` that each server loads; the fallback). Create the syncer on every trainer
-rank; only global rank 0 talks to the servers.
+"tensor" (colocated servers, each fed by the first trainer rank on its machine: shared memory / CUDA
+IPC handles), "disk" (a Hugging Face checkpoint in `work_dir` that each server loads; the fallback).
+Create the syncer on every trainer rank; global rank 0 talks to the servers (with "tensor", the first
+rank of each node with servers).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 import torch
@@ -35,8 +37,10 @@ class WeightSyncer(Protocol):
 
 def make_weight_syncer(route: str, server_urls: list[str], spec: ModelSpec, parallel: ParallelConfig,
                        hf_config: dict, bucket_mb: float = 512, work_dir=None, *,
-                       master_address: str = "127.0.0.1", timeout_s: float = 600.0) -> WeightSyncer:
-    """`master_address`: where servers reach trainer rank 0 ("distributed" only)."""
+                       master_address: str = "127.0.0.1", timeout_s: float = 600.0, server_nodes: Sequence[str] = (),
+                       node: str | None = None) -> WeightSyncer:
+    """`master_address`: where servers reach trainer rank 0 ("distributed" only). `server_nodes`: the node
+    of each server, `node`: this rank's ("tensor" only; see TensorSyncer)."""
     if route not in ROUTES:
         raise ValueError(f"rollout.weight_sync must be one of {', '.join(ROUTES)}; got {route!r}")
     if not server_urls:
@@ -47,6 +51,7 @@ def make_weight_syncer(route: str, server_urls: list[str], spec: ModelSpec, para
         return DiskSyncer(server_urls, spec, parallel, hf_config, work_dir, timeout_s)
     bucket_bytes = bucket_bytes_from_mb(bucket_mb)
     if route == "tensor":
-        return TensorSyncer(server_urls, spec, parallel, bucket_bytes, timeout_s)
+        return TensorSyncer(server_urls, spec, parallel, bucket_bytes, timeout_s, server_nodes=server_nodes,
+                            node=node)
     return DistributedSyncer(server_urls, spec, parallel, bucket_bytes, master_address=master_address,
                              timeout_s=timeout_s)

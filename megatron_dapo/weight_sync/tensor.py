@@ -1,8 +1,10 @@
 """The colocated route: hand SGLang the tensors themselves through `/update_weights_from_tensor`.
 
-Global rank 0 fills a shared-memory bucket (a CUDA buffer on GPUs, shared by IPC) and POSTs only a
+A trainer rank fills a shared-memory bucket (a CUDA buffer on GPUs, shared by IPC) and POSTs only a
 pickled handle to it; the server maps the same memory and copies it into its weights, so no tensor
-data crosses HTTP. The server must run on the same machine as trainer rank 0.
+data crosses HTTP. So a server takes its weights from a trainer rank on its own machine: the first
+rank of each node that hosts servers receives every full tensor and pushes to the servers there (all
+servers on global rank 0's node unless their nodes are given).
 
 On the CPU, the handles need torch's "file_system" sharing strategy (the default one passes file
 descriptors with an auth key SGLang's scheduler does not hold, and the scheduler dies). The strategy
@@ -17,6 +19,8 @@ import base64
 import io
 import os
 import signal
+import socket
+from collections.abc import Sequence
 from multiprocessing.reduction import ForkingPickler
 
 import psutil
@@ -62,17 +66,33 @@ def use_file_system_sharing() -> None:
 
 
 class TensorSyncer:
-    """Collective over the trainer's ranks; only global rank 0 talks to the servers."""
+    """Collective over the trainer's ranks. `server_nodes[i]` names the node server i runs on, in the terms
+    of `node`, this rank's node (default: its host name); no `server_nodes`: all on global rank 0's node."""
 
     def __init__(self, server_urls: list[str], spec: ModelSpec, parallel: ParallelConfig, bucket_bytes: int,
-                 timeout_s: float = 600.0):
-        self.urls, self.spec, self.parallel = list(server_urls), spec, parallel
+                 timeout_s: float = 600.0, *, server_nodes: Sequence[str] = (), node: str | None = None):
+        self.spec, self.parallel = spec, parallel
         self.bucket_bytes, self.timeout_s = bucket_bytes, timeout_s
-        self.tp_sizes = [server_tp_size(u) for u in self.urls] if dist.get_rank() == 0 else []
-        if parallel.device == "cpu" and dist.get_rank() == 0:
+        nodes = [None] * dist.get_world_size()
+        dist.all_gather_object(nodes, node or socket.gethostname())
+        first_rank: dict[str, int] = {}
+        for rank, name in enumerate(nodes):
+            first_rank.setdefault(name, rank)
+        placed = list(server_nodes) or [nodes[0]] * len(server_urls)
+        missing = sorted(set(placed) - set(first_rank))
+        if missing:
+            raise ValueError(f"rollout.server_nodes: no trainer rank runs on {', '.join(missing)} (the trainer's "
+                             f"nodes: {', '.join(first_rank)}); the tensor route needs each server beside a "
+                             f"trainer rank: place it there, or use the 'disk' route")
+        pusher_of = [first_rank[name] for name in placed]
+        self.pushers = sorted(set(pusher_of))  # the ranks that receive the full tensors
+        self.urls = [u for u, rank in zip(server_urls, pusher_of) if rank == dist.get_rank()]  # this rank's servers
+        self.tp_sizes = [server_tp_size(u) for u in self.urls]
+        if parallel.device == "cpu" and self.urls:
             use_file_system_sharing()
 
     def sync(self, model: torch.nn.Module, version: str) -> SyncMetrics | None:
+        """The metrics on each pushing rank, None elsewhere."""
         def push(bucket):
             named = bucket.named_tensors()
             # One pickle per receiving rank: each unpickling takes back the reference its pickling added.
@@ -81,7 +101,7 @@ class TensorSyncer:
                         for tp in self.tp_sizes]
             call_all(self.urls, "/update_weights_from_tensor", lambda i: payloads[i], self.timeout_s)
 
-        buckets = iter_hf_buckets(model, self.spec, self.parallel, self.bucket_bytes, shared_buffer)
+        buckets = iter_hf_buckets(model, self.spec, self.parallel, self.bucket_bytes, shared_buffer, self.pushers)
         return push_buckets(self.urls, buckets, push, self.timeout_s)
 
     def close(self) -> None:
