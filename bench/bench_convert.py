@@ -1,8 +1,8 @@
 """Checkpoint conversion throughput next to a plain copy of the same bytes, and its peak memory.
 
 Makes a random Qwen2.5-0.5B-shaped model (494M parameters, bf16, about 1 GB) as a Hugging Face
-folder, then, in one run: copies its safetensors files, converts hf-to-mcore at TP=1 and at TP=2 x PP=2,
-and mcore-to-hf back. GB/s counts the checkpoint's bytes. Each conversion runs in a fresh process that
+folder, then, in one run: copies its safetensors files (in the kernel, and read + written by
+Python), converts hf-to-mcore at TP=1 and at TP=2 x PP=2, and mcore-to-hf back. GB/s counts the checkpoint's bytes. Each conversion runs in a fresh process that
 reports its time and how far its resident memory rose above what the imports left (Linux VmHWM after
 resetting it), next to the model's largest tensor and the size of one layer.
 
@@ -92,7 +92,13 @@ def main():
             for f in files:
                 shutil.copyfile(f, root / "copy" / f.name)
 
-        rows = [("plain copy of the safetensors files", timed(copy), None)]
+        def copy_through_memory():  # what a converter does: read into memory, write from it
+            (root / "copy2").mkdir()
+            for f in files:
+                (root / "copy2" / f.name).write_bytes(f.read_bytes())
+
+        rows = [("plain copy of the safetensors files", timed(copy), None),
+                ("same, read + written by Python", timed(copy_through_memory), None)]
         steps = [("hf-to-mcore TP=1", f"hf_to_mcore({str(root / 'hf')!r}, {str(root / 'm1')!r}, tp=1, pp=1)"),
                  ("hf-to-mcore TP=2 x PP=2", f"hf_to_mcore({str(root / 'hf')!r}, {str(root / 'm4')!r}, tp=2, pp=2)"),
                  ("mcore-to-hf (from TP=1)", f"mcore_to_hf({str(root / 'm1')!r}, {str(root / 'b1')!r}, max_shard_bytes={SHARD_BYTES})"),
