@@ -126,6 +126,9 @@ class DataConfig:
     chat_template: bool = True  # False: the prompt's text as is (for tokenizers without a chat template)
     max_prompt_len: int = 2048
     seed: int = 42
+    # Train on each (prompt, ground truth) once per epoch: DAPO-Math-17K's parquet holds every problem
+    # about 100 times. Off: the file's rows as they are.
+    drop_duplicates: bool = False
 
     def __post_init__(self):
         _require(bool(self.train_path), "data.train_path", "must name a .parquet or .jsonl file of prompts")

@@ -26,7 +26,7 @@ from megatron_dapo.checkpoint.hf_weights import load_hf_weights
 from megatron_dapo.checkpoint.safetensors_io import HFCheckpoint
 from megatron_dapo.checkpoint.trainer_checkpoint import latest_checkpoint, load_trainer_checkpoint, save_trainer_checkpoint
 from megatron_dapo.data.prompt_encoding import encode_prompt
-from megatron_dapo.data.prompt_file import load_prompt_rows
+from megatron_dapo.data.prompt_file import drop_duplicate_rows, load_prompt_rows
 from megatron_dapo.data.prompt_sampler import PromptSampler
 from megatron_dapo.metrics_log import MetricsLogger
 from megatron_dapo.ops import STAT_NAMES
@@ -121,6 +121,11 @@ class DapoTrainer:
         cfg = self.cfg
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
         self.rows, _ = load_prompt_rows(cfg.data.train_path)  # skipped rows are counted in its warning
+        if cfg.data.drop_duplicates:
+            total = len(self.rows)
+            self.rows = drop_duplicate_rows(self.rows)
+            log.info("%s: training on %d unique problems of %d rows (data.drop_duplicates)", cfg.data.train_path,
+                     len(self.rows), total)
         self.eval_rows = load_prompt_rows(cfg.data.eval_path)[0] if cfg.data.eval_path else []
         self.sampler = PromptSampler(len(self.rows), cfg.data.seed)
         self.reward_pool = RewardPool(cfg.reward)

@@ -15,7 +15,13 @@ from tiny_models import save_with_tokenizer  # noqa: E402
 
 from megatron_dapo.data.held_out_split import problem_key, split_held_out  # noqa: E402
 from megatron_dapo.data.prompt_encoding import encode_prompt, raw_prompt_text  # noqa: E402
-from megatron_dapo.data.prompt_file import DataError, PromptRow, load_prompt_rows, write_rows  # noqa: E402
+from megatron_dapo.data.prompt_file import (  # noqa: E402
+    DataError,
+    PromptRow,
+    drop_duplicate_rows,
+    load_prompt_rows,
+    write_rows,
+)
 from megatron_dapo.data.prompt_sampler import PromptSampler  # noqa: E402
 from megatron_dapo.data.synthetic_math import DAPO_INSTRUCTION, generate_rows  # noqa: E402
 
@@ -115,6 +121,16 @@ def test_bad_jsonl_lines_are_counted_and_skipped(tmp_path, caplog):
     assert rows[1].prompt == [{"role": "user", "content": "What is 1+1?"}] and rows[1].ground_truth == "2"
     [warning] = caplog.records
     assert "skipped 3 of 5 rows" in warning.getMessage() and "1 (invalid JSON" in warning.getMessage()
+
+
+def test_duplicate_problems_are_dropped_in_file_order():
+    def row(text, truth, i):
+        return PromptRow([{"role": "user", "content": text}], truth, row_index=i)
+
+    rows = [row("1+1?", "2", 0), row("2+2?", "4", 1), row("1+1?", "2", 2), row("1+1?", "3", 3), row("2+2?", "4", 4)]
+    kept = drop_duplicate_rows(rows)
+    assert [r.row_index for r in kept] == [0, 1, 3]  # same prompt, other answer: a different problem
+    assert drop_duplicate_rows(kept) == kept
 
 
 def test_bad_files_are_clear_errors(tmp_path):

@@ -59,7 +59,7 @@ def iter_hf_tensors(model: torch.nn.Module, spec: ModelSpec, parallel: ParallelC
         owner = _owner_stage(mname, spec, parallel)
         if stage == owner and first_dp:
             local = params[_local_name(mname, spec, parallel, stage)].detach().to(dtype)
-            if tp_dim(mname) is None:
+            if tp_dim(mname) is None or parallel.tensor_parallel == 1:
                 shards = [local]
             else:
                 shards = [torch.empty_like(local) for _ in range(parallel.tensor_parallel)]

@@ -171,7 +171,7 @@ def hf_tensors(mname: str, shards: list[torch.Tensor], spec: ModelSpec) -> dict[
     if mname.endswith("linear_fc1.weight"):
         halves = [s.chunk(2, dim=0) for s in shards]
         return {names[0]: torch.cat([h[0] for h in halves]), names[1]: torch.cat([h[1] for h in halves])}
-    full = shards[0] if dim is None else torch.cat(shards, dim=dim)
+    full = shards[0] if dim is None or len(shards) == 1 else torch.cat(shards, dim=dim)
     if mname in ("embedding.word_embeddings.weight", "output_layer.weight"):
         return {names[0]: full[: spec.vocab_size]}
     if mname.endswith("linear_qkv.weight") or mname.endswith("linear_qkv.bias"):

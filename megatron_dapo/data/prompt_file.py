@@ -144,6 +144,19 @@ def load_prompt_rows(path) -> tuple[list[PromptRow], int]:
     return rows, len(skipped)
 
 
+def drop_duplicate_rows(rows: list[PromptRow]) -> list[PromptRow]:
+    """The rows with the same prompt and ground truth as an earlier row left out (DAPO-Math-17K's parquet
+    repeats each of its 17K problems about 100 times), first occurrences in file order."""
+    seen: set[tuple[str, str]] = set()
+    unique = []
+    for row in rows:
+        key = (json.dumps(row.prompt, sort_keys=True), row.ground_truth)
+        if key not in seen:
+            seen.add(key)
+            unique.append(row)
+    return unique
+
+
 def write_rows(path, rows: list[dict]) -> None:
     """Write DAPO-schema rows (dicts) to .parquet (nested types, as the real dataset) or .jsonl, atomically."""
     import pyarrow as pa
