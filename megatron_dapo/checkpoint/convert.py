@@ -14,18 +14,18 @@ output goes to a temporary folder renamed into place only when complete.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import shutil
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
 from megatron_dapo.checkpoint.hf_mapping import HF_EMBEDDING, HF_FINAL_NORM, hf_names, hf_tensors, megatron_names
 from megatron_dapo.checkpoint.mcore_checkpoint import HF_SUBDIR, read_meta, write_meta
-from megatron_dapo.checkpoint.mcore_stream import McoreCheckpointReader, write_mcore_checkpoint
+from megatron_dapo.checkpoint.mcore_stream import McoreCheckpointReader, stored_key, write_mcore_checkpoint
 from megatron_dapo.checkpoint.safetensors_io import (
     SIDE_FILES,
     CheckpointError,
@@ -36,8 +36,6 @@ from megatron_dapo.checkpoint.safetensors_io import (
 from megatron_dapo.config import ParallelConfig
 from megatron_dapo.policy.hf_config import ModelSpec, model_spec_from_hf
 from megatron_dapo.policy.model import check_divisibility, padded_vocab_size
-
-_LAYER = "decoder.layers."
 
 
 def _check_output(out: Path) -> None:
@@ -92,21 +90,13 @@ def hf_to_mcore(input_dir, output_dir, *, tp: int, pp: int) -> Path:
     return out
 
 
-def _layers(spec: ModelSpec) -> Iterator[list[str]]:
-    """The model's Megatron tensors grouped as read: each layer's together, the others alone."""
-    group: list[str] = []
-    for mname in megatron_names(spec):
-        layer = mname.split(".", 3)[2] if mname.startswith(_LAYER) else None
-        if group and (layer is None or not group[0].startswith(f"{_LAYER}{layer}.")):
-            yield group
-            group = []
-        group.append(mname)
-    if group:
-        yield group
+def _read_groups(spec: ModelSpec) -> list[list[str]]:
+    """The model's Megatron tensors in the groups they are read in: each layer's together."""
+    return [list(g) for _, g in itertools.groupby(megatron_names(spec), key=lambda m: stored_key(m)[1])]
 
 
 def _hf_tensors(reader: McoreCheckpointReader, spec: ModelSpec, dtype: torch.dtype, bar):
-    for group in _layers(spec):
+    for group in _read_groups(spec):
         for mname, full in reader.read(group).items():
             for name, tensor in hf_tensors(mname, [full], spec).items():
                 yield name, tensor.to(dtype)  # norms are stored in fp32 whatever the model's dtype
