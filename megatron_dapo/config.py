@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from megatron_dapo.ops.dapo_loss_checks import DapoLossParamError, check_dapo_loss_params
+
 
 class ConfigError(ValueError):
     """A configuration value that cannot work; the message names the key."""
@@ -38,9 +40,14 @@ class ParallelConfig:
     expert_parallel: int = 1
     device: str = "cuda"  # "cuda" (NCCL) or "cpu" (gloo)
     seed: int = 1234
+    # Minutes a rank may wait inside one NCCL / gloo collective before the job fails: it must outlast what
+    # global rank 0 does alone meanwhile (a checkpoint write, the disk weight sync); `megatron-dapo preflight`
+    # estimates that.
+    distributed_timeout_minutes: int = 30
 
     def __post_init__(self):
-        for key in ("tensor_parallel", "pipeline_parallel", "context_parallel", "expert_parallel"):
+        for key in ("tensor_parallel", "pipeline_parallel", "context_parallel", "expert_parallel",
+                    "distributed_timeout_minutes"):
             _whole(getattr(self, key), f"parallel.{key}", 1)
         _require(self.device in ("cuda", "cpu"), "parallel.device", f"must be 'cuda' or 'cpu', got {self.device!r}")
         _require(self.context_parallel == 1, "parallel.context_parallel",
@@ -97,26 +104,33 @@ class LossConfig:
     tis_cap: float | None = None
 
     def __post_init__(self):
-        _require(0 <= self.eps_low < 1, "loss.eps_low", f"must be in [0, 1), got {self.eps_low}")
-        _require(self.eps_high >= 0, "loss.eps_high", f"must be >= 0, got {self.eps_high}")
-        _require(self.dual_clip_c is None or self.dual_clip_c > 1, "loss.dual_clip_c",
-                 f"must be > 1 or null (off), got {self.dual_clip_c}")
-        _positive(self.log_ratio_clamp, "loss.log_ratio_clamp")
-        _require(self.kl_coef >= 0, "loss.kl_coef", f"must be >= 0 (0 turns the KL penalty off), got {self.kl_coef}")
-        _require(self.kl_type in ("k1", "k3"), "loss.kl_type", f"must be 'k1' or 'k3', got {self.kl_type!r}")
+        try:  # the op's own rules: a config the op would refuse is refused before anything starts
+            check_dapo_loss_params(eps_low=self.eps_low, eps_high=self.eps_high, dual_clip_c=self.dual_clip_c,
+                                   log_ratio_clamp=self.log_ratio_clamp, kl_coef=self.kl_coef, kl_type=self.kl_type)
+        except DapoLossParamError as e:
+            raise ConfigError(f"loss.{e.param}: {e.message}") from None
         _require(self.tis_cap is None or self.tis_cap >= 1, "loss.tis_cap",
                  f"must be >= 1 or null (off), got {self.tis_cap}")
+
+
+ACTIVATION_RECOMPUTE = ("none", "full")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
     path: str = ""  # Hugging Face folder: config.json, weights, tokenizer
     max_tokens_per_micro_batch: int = 8192
+    # "full": each transformer layer of the trained policy keeps only its input for the backward and recomputes
+    # its other activations there (megatron-core's full recompute, one layer at a time): it trades about a third
+    # more compute per training step for a fraction of the activation memory. "none": keep all activations.
+    activation_recompute: str = "none"
 
     def __post_init__(self):
         _require(bool(self.path), "model.path", "must name a Hugging Face model folder (config.json + weights + "
                  "tokenizer); convert other checkpoints with `megatron-dapo convert`")
         _whole(self.max_tokens_per_micro_batch, "model.max_tokens_per_micro_batch", 1)
+        _require(self.activation_recompute in ACTIVATION_RECOMPUTE, "model.activation_recompute",
+                 f"must be 'none' or 'full', got {self.activation_recompute!r}")
 
 
 @dataclass(frozen=True)
@@ -150,9 +164,15 @@ class RolloutConfig:
     # repeats the interrupted one (SGLang's --enable-deterministic-inference; slower).
     deterministic: bool = False
     max_in_flight: int = 64
+    # Seconds one /generate call (a group) may take, including its wait in the SGLang server's queue behind
+    # the other groups in flight; `megatron-dapo preflight` estimates the worst case.
+    request_timeout_s: float = 600.0
     max_server_restarts: int = 3
     weight_sync: str = "distributed"  # "distributed" (NCCL/gloo), "tensor" (colocated), "disk"
     weight_sync_bucket_mb: int = 512
+    # Seconds one HTTP call of the weight sync or of the servers' memory release / resume may take (the
+    # slowest: a server loading the whole model from disk).
+    weight_sync_timeout_s: float = 600.0
     # The servers share the trainer's nodes and accelerators: they release their memory while the trainer
     # trains and take it back around the weight sync (SGLang's memory saver on GPUs).
     colocate: bool = False
@@ -170,6 +190,8 @@ class RolloutConfig:
         _require(self.server_device in ("cuda", "cpu"), "rollout.server_device",
                  f"must be 'cuda' or 'cpu', got {self.server_device!r}")
         _whole(self.max_in_flight, "rollout.max_in_flight", 1)
+        _positive(self.request_timeout_s, "rollout.request_timeout_s")
+        _positive(self.weight_sync_timeout_s, "rollout.weight_sync_timeout_s")
         _whole(self.max_server_restarts, "rollout.max_server_restarts", 0)
         _require(self.weight_sync in ("distributed", "tensor", "disk"), "rollout.weight_sync",
                  f"must be 'distributed', 'tensor' or 'disk', got {self.weight_sync!r}")

@@ -321,3 +321,31 @@ def test_held_out_split_shares_no_problem():
     distinct = len({problem_key(r) for r in rows})
     with pytest.raises(DataError, match=f"num_eval: must be a whole number from 1 to {distinct - 1}"):
         split_held_out(rows, num_eval=distinct, seed=7)
+
+
+def test_prompts_longer_than_max_prompt_len_are_skipped_and_counted_never_cut(tokenizer, caplog):
+    from megatron_dapo.config import ConfigError
+    from megatron_dapo.data.prompt_file import PromptRow
+    from megatron_dapo.data.prompt_sampler import PromptSampler
+    from megatron_dapo.data.prompt_source import PromptSource
+
+    texts = ["1+1=", "What is 3 plus 4? " * 6, "2+2=", "Divide 81 by 9 to get 9 " * 5, "3+3="]
+    rows = [PromptRow([{"role": "user", "content": t}], str(i)) for i, t in enumerate(texts)]
+    limit = 8
+    fits = [len(tokenizer.encode(t)) <= limit for t in texts]
+    assert fits == [True, False, True, False, True]
+
+    def source():
+        return PromptSource(rows, PromptSampler(len(rows), seed=1), tokenizer, max_prompt_len=limit, chat_template=False)
+
+    src = source()
+    with caplog.at_level("WARNING"):
+        items = src.next_items(5)
+    assert sum("longer than data.max_prompt_len" in r.message for r in caplog.records) == 1  # once, not per prompt
+    assert [it.ground_truth for it in items] == [it.ground_truth for it in source().next_items(5)]  # deterministic
+    assert len(items) == 5 and {it.index for it in items} <= {0, 2, 4}
+    assert all(it.token_ids == tokenizer.encode(texts[it.index]) for it in items)  # whole prompts, uncut
+    assert src.too_long >= 2
+    with pytest.raises(ConfigError, match="data.max_prompt_len: every prompt of data.train_path is longer than 2"):
+        PromptSource(rows, PromptSampler(len(rows), seed=1), tokenizer, max_prompt_len=2,
+                     chat_template=False).next_items(1)

@@ -36,6 +36,10 @@ def test_overrides_are_read_as_yaml():
     ("trainer.steps=3", "trainer: unknown key"),
     ("loss.eps_low=1.5", "loss.eps_low"),
     ("loss.eps_high=-0.1", "loss.eps_high"),
+    # What the fused op refuses is refused here, before a rollout is spent on it.
+    ("loss.eps_low=0", "loss.eps_low: must be in \\(0, 1\\)"),
+    ("loss.eps_high=0", "loss.eps_high: must be > 0"),
+    ("loss.log_ratio_clamp=100", "loss.log_ratio_clamp: must be in \\(0, 80.0\\]"),
     ("loss.dual_clip_c=0.5", "loss.dual_clip_c"),
     ("loss.kl_type=k2", "loss.kl_type"),
     ("loss.tis_cap=0.5", "loss.tis_cap"),
@@ -60,6 +64,8 @@ def test_overrides_are_read_as_yaml():
     ("train.keep_last=0", "train.keep_last"),
     ("train.resume=maybe", "train.resume: must be bool"),
     ("model.path=", "model.path"),
+    ("model.activation_recompute=selective", "model.activation_recompute: must be 'none' or 'full'"),
+    ("model.activation_recompute=true", "model.activation_recompute"),
     ("data.train_path=", "data.train_path"),
 ])
 def test_bad_values_name_their_key(override, key):

@@ -159,9 +159,6 @@ def drop_duplicate_rows(rows: list[PromptRow]) -> list[PromptRow]:
 
 def write_rows(path, rows: list[dict]) -> None:
     """Write DAPO-schema rows (dicts) to .parquet (nested types, as the real dataset) or .jsonl, atomically."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     path = Path(path)
     suffix = _format(path)
     if not rows:
@@ -170,6 +167,9 @@ def write_rows(path, rows: list[dict]) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         if suffix == ".parquet":
+            import pyarrow as pa  # here, not above: JSONL needs no pyarrow (the GPU check machine has none)
+            import pyarrow.parquet as pq
+
             pq.write_table(pa.Table.from_pylist(rows), tmp)
         else:
             with tmp.open("w", encoding="utf-8") as f:

@@ -65,6 +65,31 @@ def _check_tensor(t, name: str, logp: torch.Tensor) -> None:
         raise ValueError(f"dapo_loss: {name} is on {t.device} but logp is on {logp.device}")
 
 
+class DapoLossParamError(ValueError):
+    """A loss setting the op refuses; `param` names it (the config reports it as loss.<param>)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(f"dapo_loss: {param} {message}")
+        self.param, self.message = param, message
+
+
+def check_dapo_loss_params(*, eps_low, eps_high, dual_clip_c, log_ratio_clamp, kl_coef, kl_type) -> None:
+    """The op's rules for its settings, in one place: the kernels' checks and the run's config both use them."""
+    rules = [
+        ("eps_low", 0.0 < eps_low < 1.0, f"must be in (0, 1), got {eps_low}"),
+        ("eps_high", eps_high > 0.0, f"must be > 0, got {eps_high}"),
+        ("dual_clip_c", dual_clip_c is None or dual_clip_c > 1.0,
+         f"must be > 1 (or None to turn dual clip off), got {dual_clip_c}"),
+        ("log_ratio_clamp", 0.0 < log_ratio_clamp <= MAX_LOG_RATIO_CLAMP,
+         f"must be in (0, {MAX_LOG_RATIO_CLAMP}] (exp of it must fit in float32), got {log_ratio_clamp}"),
+        ("kl_type", kl_type in KL_TYPES, f"must be one of {KL_TYPES}, got {kl_type!r}"),
+        ("kl_coef", kl_coef >= 0.0, f"must be >= 0, got {kl_coef}"),
+    ]
+    for param, ok, message in rules:
+        if not ok:
+            raise DapoLossParamError(param, message)
+
+
 def check_dapo_loss_args(
     logp,
     old_logp,
@@ -95,18 +120,8 @@ def check_dapo_loss_args(
         raise TypeError(f"dapo_loss: advantages must be float32 or float64, got {advantages.dtype}")
     if mask.dtype not in (torch.bool, torch.float32):
         raise TypeError(f"dapo_loss: mask must be bool or float32, got {mask.dtype}")
-    if not 0.0 < eps_low < 1.0:
-        raise ValueError(f"dapo_loss: eps_low must be in (0, 1), got {eps_low}")
-    if not eps_high > 0.0:
-        raise ValueError(f"dapo_loss: eps_high must be > 0, got {eps_high}")
-    if dual_clip_c is not None and not dual_clip_c > 1.0:
-        raise ValueError(f"dapo_loss: dual_clip_c must be > 1 (or None to turn dual clip off), got {dual_clip_c}")
-    if not 0.0 < log_ratio_clamp <= MAX_LOG_RATIO_CLAMP:
-        raise ValueError(f"dapo_loss: log_ratio_clamp must be in (0, {MAX_LOG_RATIO_CLAMP}], got {log_ratio_clamp}")
-    if kl_type not in KL_TYPES:
-        raise ValueError(f"dapo_loss: kl_type must be one of {KL_TYPES}, got {kl_type!r}")
-    if not kl_coef >= 0.0:
-        raise ValueError(f"dapo_loss: kl_coef must be >= 0, got {kl_coef}")
+    check_dapo_loss_params(eps_low=eps_low, eps_high=eps_high, dual_clip_c=dual_clip_c,
+                           log_ratio_clamp=log_ratio_clamp, kl_coef=kl_coef, kl_type=kl_type)
     if kl_coef > 0.0:
         if ref_logp is None:
             raise ValueError("dapo_loss: kl_coef > 0 needs ref_logp (the reference policy's log-probs)")

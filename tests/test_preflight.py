@@ -1,0 +1,151 @@
+"""`megatron-dapo preflight`: every shipped config passes; each check fails naming its key; the CLI's exit codes."""
+
+import inspect
+import json
+from pathlib import Path
+
+import pytest
+
+from megatron_dapo.cli import main
+from megatron_dapo.config import ConfigError, RolloutConfig
+from megatron_dapo.demo.tiny_model import make_tiny_model
+from megatron_dapo.preflight import Hardware, preflight
+from megatron_dapo.preflight.estimate import model_architecture, model_parameters, stage_parameters
+from megatron_dapo.rollout.from_config import sglang_engine
+from megatron_dapo.run_config import config_from_dict, load_config
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIGS = ROOT / "launch" / "configs"
+QWEN_7B = CONFIGS / "qwen2.5-7b-dapo-2nodes.yaml"
+QWEN_32B = CONFIGS / "qwen2.5-32b-dapo.yaml"
+
+
+@pytest.fixture(scope="module")
+def demo_model(tmp_path_factory) -> Path:
+    """A folder with the config.json of the demo's tiny model (make_tiny_model's defaults; no weights needed)."""
+    d = {k: p.default for k, p in inspect.signature(make_tiny_model).parameters.items() if p.default is not p.empty}
+    folder = tmp_path_factory.mktemp("demo") / "warm"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({
+        "architectures": ["Qwen2ForCausalLM"], "hidden_size": d["hidden"], "intermediate_size": 3 * d["hidden"],
+        "num_hidden_layers": d["layers"], "num_attention_heads": d["heads"], "num_key_value_heads": d["heads"] // 2,
+        "vocab_size": 320, "max_position_embeddings": d["max_positions"], "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": True}))
+    return folder
+
+
+def config(path: Path, *overrides: str, demo_model: Path | None = None):
+    model = [f"model.path={demo_model}"] if path.name == "tiny-cpu.yaml" else []
+    return load_config(path, [*model, *overrides])
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in CONFIGS.glob("*.yaml")))
+def test_every_shipped_config_passes(name, demo_model):
+    report = preflight(config(CONFIGS / name, demo_model=demo_model))
+    report.raise_first_failure()
+    text = report.render()
+    assert "trainer stage 0" in text and "total" in text and "checks" in text
+    assert all(c.ok for c in report.checks)
+
+
+def test_shipped_architectures_are_the_published_qwen_models():
+    seven, _ = model_architecture("checkpoints/Qwen2.5-7B")
+    assert model_parameters(seven) == 7_615_616_512  # Qwen2.5-7B's safetensors hold this many
+    assert sum(stage_parameters(seven, tp=1, pp=1)) == model_parameters(seven)
+    big, _ = model_architecture("anywhere/Qwen2.5-32B")
+    assert (big.num_layers, big.num_attention_heads, big.num_query_groups, big.hidden_size) == (64, 40, 8, 5120)
+
+
+@pytest.mark.parametrize("path,overrides,key", [
+    (QWEN_7B, ["model.max_tokens_per_micro_batch=16384"], "model.max_tokens_per_micro_batch"),
+    (CONFIGS / "tiny-cpu.yaml", ["data.max_prompt_len=100"], "data.max_prompt_len + algorithm.max_response_len"),
+    (QWEN_7B, ["rollout.request_timeout_s=600"], "rollout.request_timeout_s"),
+    (QWEN_32B, ["parallel.distributed_timeout_minutes=1"], "parallel.distributed_timeout_minutes"),
+    (QWEN_32B, ["rollout.weight_sync=disk", "rollout.weight_sync_timeout_s=30"], "rollout.weight_sync_timeout_s"),
+])
+def test_a_failed_check_names_its_key(path, overrides, key, demo_model):
+    report = preflight(config(path, *overrides, demo_model=demo_model))
+    assert [c.key for c in report.checks if not c.ok] == [key]
+    with pytest.raises(ConfigError, match="^" + key.replace("+", r"\+") + ": .*; (set|raise|lower) "):
+        report.raise_first_failure()
+
+
+def test_a_model_path_without_config_json_or_shipped_architecture_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match="model.path: no config.json in .*nowhere.*point model.path"):
+        preflight(load_config(QWEN_7B, [f"model.path={tmp_path / 'nowhere'}"]))
+    with pytest.raises(ConfigError, match="model.path: .*run `megatron-dapo demo --output .*demo` first"):
+        preflight(load_config(CONFIGS / "tiny-cpu.yaml", [f"model.path={tmp_path / 'demo' / 'warm'}"]))
+
+
+def test_memory_over_the_gpu_is_a_warning_and_colocated_parts_add_up():
+    cfg = load_config(CONFIGS / "qwen2.5-7b-dapo-colocated.yaml", ["rollout.request_timeout_s=90000"])
+    report = preflight(cfg, Hardware(gpu_memory_gb=60))  # a smaller KV cache: a longer worst-case rollout
+    assert "warning: colocated: trainer + server needs about" in report.text
+    report.raise_first_failure()  # a warning only
+
+
+def test_activation_recompute_fits_the_32b_config_in_80gb():
+    from megatron_dapo.preflight.estimate import activation_bytes, trainer_layout, trainer_memory
+
+    cfg = load_config(QWEN_32B)
+    assert cfg.model.activation_recompute == "full"
+    report = preflight(cfg)
+    assert "warning" not in report.text and "(model.activation_recompute: full: activations are each" in report.text
+    spec, _ = model_architecture(cfg.model.path)
+    stage0 = trainer_memory(cfg, spec, trainer_layout(cfg, spec, None))[0]
+    tokens, in_flight = cfg.model.max_tokens_per_micro_batch, 2  # PP = 2 micro-batches in flight on stage 0
+    assert stage0.activations == pytest.approx(2 * spec.hidden_size * tokens * 32 * in_flight  # the layers' inputs
+                                               + activation_bytes(spec, 8, 2) * tokens)  # + one layer recomputing
+    off = preflight(load_config(QWEN_32B, ["model.activation_recompute=none"])).text
+    assert ("warning: trainer stage 0 (32 layers) needs about 128.0 GB per GPU, more than --gpu-memory-gb 80; "
+            "with model.activation_recompute: full about 41.0 GB") in off
+    assert "model.activation_recompute: full:" not in off
+
+
+def test_the_gpu_count_sets_data_parallel_and_must_divide():
+    assert "16 GPUs = TP4 x PP2 x DP2" in preflight(load_config(QWEN_7B)).text  # as many as the servers use
+    assert "32 GPUs = TP4 x PP2 x DP4" in preflight(load_config(QWEN_7B), Hardware(gpus=32)).text
+    with pytest.raises(ConfigError, match="^parallel: world size 12"):
+        preflight(load_config(QWEN_7B), Hardware(gpus=12))
+
+
+def test_cli_exit_codes(capsys, demo_model):
+    assert main(["preflight", str(QWEN_7B)]) == 0
+    out = capsys.readouterr().out
+    assert "per GPU, GB" in out and "SGLang server (TP4)" in out and "ok    rollout.request_timeout_s" in out
+
+    assert main(["preflight", str(QWEN_7B), "rollout.request_timeout_s=60", "--gpu-bandwidth-tbs", "2.0"]) == 2
+    captured = capsys.readouterr()
+    assert "FAIL  rollout.request_timeout_s" in captured.out
+    assert captured.err.count("\n") == 1 and "Traceback" not in captured.err
+    assert captured.err.startswith("megatron-dapo preflight: bad config: rollout.request_timeout_s: 60 s is shorter")
+
+    assert main(["preflight", str(CONFIGS / "tiny-cpu.yaml"), f"model.path={demo_model}"]) == 0
+    assert "no GPU memory check applies" in capsys.readouterr().out
+    assert main(["preflight", str(QWEN_7B), "--gpu-memory-gb", "0"]) == 2
+    assert "--gpu-memory-gb: must be > 0" in capsys.readouterr().err
+
+
+def test_train_refuses_to_start_on_a_failed_check(capsys, monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "16")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    assert main(["train", str(QWEN_7B), "model.max_tokens_per_micro_batch=16384"]) == 2
+    captured = capsys.readouterr()
+    assert "16 GPUs = TP4 x PP2 x DP2 (given)" in captured.out  # the world size, printed on rank 0
+    assert "megatron-dapo train: bad config: model.max_tokens_per_micro_batch: 16384 tokens" in captured.err
+
+
+@pytest.mark.parametrize("override,key", [
+    ("parallel.distributed_timeout_minutes=0", "parallel.distributed_timeout_minutes"),
+    ("rollout.request_timeout_s=0", "rollout.request_timeout_s"),
+    ("rollout.weight_sync_timeout_s=-1", "rollout.weight_sync_timeout_s"),
+])
+def test_timeout_keys_are_validated(override, key):
+    with pytest.raises(ConfigError, match=f"^{key}: must be"):
+        config_from_dict({"model": {"path": "m"}, "data": {"train_path": "d.jsonl"}}, [override])
+
+
+def test_the_engine_gets_the_request_timeout(tmp_path):
+    engine = sglang_engine(RolloutConfig(server_urls=["http://127.0.0.1:1"], request_timeout_s=1234.0), "m", tmp_path)
+    assert engine.timeout == 1234.0
