@@ -3,7 +3,9 @@
 megatron-core assumes a GPU in many places: `torch.cuda.current_device()` as a device, the CUDA RNG
 tracker, `device="cuda"` factories, `Tensor.cuda()`, CUDA type names in the optimizer. This module,
 and only this module, maps those onto the CPU. It is switched on by the runtime for `device: cpu`
-alone, so GPU runs see stock torch and megatron-core.
+alone, so GPU runs see stock torch and megatron-core. With `MEGATRON_DAPO_DEVICE_FAITHFUL=1` (the tests)
+it also keeps track of which tensors a GPU run would hold on the GPU and fails where the GPU would
+(`megatron_dapo.device_faithful`).
 """
 
 from __future__ import annotations
@@ -15,25 +17,7 @@ import time
 import torch
 from torch.overrides import TorchFunctionMode
 
-_CUDA_TYPE_NAMES = {
-    torch.float32: "torch.cuda.FloatTensor",
-    torch.float16: "torch.cuda.HalfTensor",
-    torch.bfloat16: "torch.cuda.BFloat16Tensor",
-    torch.float64: "torch.cuda.DoubleTensor",
-    torch.int64: "torch.cuda.LongTensor",
-    torch.int32: "torch.cuda.IntTensor",
-    torch.uint8: "torch.cuda.ByteTensor",
-    torch.bool: "torch.cuda.BoolTensor",
-}
-
-
-def _is_cuda_device(device) -> bool:
-    if isinstance(device, int) and not isinstance(device, bool):
-        return True  # torch reads a bare int as a CUDA ordinal
-    if isinstance(device, str):
-        return device.startswith("cuda")
-    return isinstance(device, torch.device) and device.type == "cuda"
-
+from megatron_dapo import device_faithful
 
 class _CpuDeviceMode(TorchFunctionMode):
     """Sends tensor factories and moves aimed at CUDA to the CPU, and reports CUDA type names."""
@@ -42,14 +26,14 @@ class _CpuDeviceMode(TorchFunctionMode):
         kwargs = dict(kwargs or {})
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:
             # The optimizer checks `param.type() == "torch.cuda.FloatTensor"`.
-            return _CUDA_TYPE_NAMES.get(args[0].dtype, args[0].type())
+            return device_faithful.CUDA_TYPE_NAMES.get(args[0].dtype, args[0].type())
         if func in (torch.Tensor.cuda, torch.Tensor.pin_memory):
             return args[0]
-        if "device" in kwargs and _is_cuda_device(kwargs["device"]):
+        if "device" in kwargs and device_faithful.is_cuda_device(kwargs["device"]):
             kwargs["device"] = "cpu"
         if kwargs.get("pin_memory"):
             kwargs["pin_memory"] = False
-        if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
+        if func is torch.Tensor.to and len(args) > 1 and device_faithful.is_cuda_device(args[1]):
             args = (args[0], "cpu", *args[2:])
         return func(*args, **kwargs)
 
@@ -103,9 +87,10 @@ _HOST_STREAM = _HostStream()
 class CpuCompat:
     """Installs the redirects on enter and restores everything on exit."""
 
-    def __init__(self):
+    def __init__(self, faithful: bool = False, local_rank: int = 0):
         self._saved: list[tuple[object, str, object]] = []
-        self._mode: _CpuDeviceMode | None = None
+        self._mode: _CpuDeviceMode | device_faithful.DeviceFaithful | None = None
+        self.faithful, self.local_rank = faithful, local_rank
 
     def _patch(self, owner, name: str, value) -> None:
         self._saved.append((owner, name, getattr(owner, name)))
@@ -138,7 +123,7 @@ class CpuCompat:
         tracker_log = logging.getLogger(mp_random.__name__)
         self._saved.append((tracker_log, "disabled", tracker_log.disabled))
         tracker_log.disabled = True
-        self._mode = _CpuDeviceMode()
+        self._mode = device_faithful.DeviceFaithful(self.local_rank) if self.faithful else _CpuDeviceMode()
         self._mode.__enter__()
         return self
 
@@ -154,11 +139,12 @@ class CpuCompat:
 _ACTIVE: CpuCompat | None = None
 
 
-def activate() -> None:
-    """Switch the redirects on for the rest of the process (idempotent)."""
+def activate(faithful: bool | None = None, local_rank: int = 0) -> None:
+    """Switch the redirects on for the rest of the process (idempotent); `faithful` (default: the
+    MEGATRON_DAPO_DEVICE_FAITHFUL variable) adds the device-faithful checks."""
     global _ACTIVE
     if _ACTIVE is None:
-        _ACTIVE = CpuCompat().__enter__()
+        _ACTIVE = CpuCompat(device_faithful.requested() if faithful is None else faithful, local_rank).__enter__()
 
 
 def deactivate() -> None:
@@ -170,3 +156,8 @@ def deactivate() -> None:
 
 def is_active() -> bool:
     return _ACTIVE is not None
+
+
+def is_faithful() -> bool:
+    """Whether tensors meant for the GPU are kept apart from host tensors (device-faithful mode)."""
+    return _ACTIVE is not None and _ACTIVE.faithful

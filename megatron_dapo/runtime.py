@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -50,6 +51,12 @@ def launch_env(environ=None) -> LaunchEnv:
                      env.get("SLURMD_NODENAME") or socket.gethostname())
 
 
+def tensors_on_gpu(parallel: ParallelConfig) -> bool:
+    """Whether the model and its batches live on GPUs; also in device-faithful CPU runs, where host memory
+    stands for them."""
+    return parallel.device == "cuda" or cpu_compat.is_faithful()
+
+
 @dataclass(frozen=True)
 class Runtime:
     parallel: ParallelConfig
@@ -58,15 +65,19 @@ class Runtime:
 
     @property
     def device(self) -> torch.device:
-        return torch.device("cpu") if self.parallel.device == "cpu" else torch.device("cuda", self.env.local_rank)
+        """Where this rank's model and batches live: its GPU (in device-faithful CPU runs, the GPU the
+        tensors stand for), else the CPU."""
+        return torch.device("cuda", self.env.local_rank) if tensors_on_gpu(self.parallel) else torch.device("cpu")
 
 
-def init_runtime(parallel: ParallelConfig, environ=None, timeout_minutes: int = 30) -> Runtime:
-    """Initialise torch.distributed, megatron's parallel groups and its RNG tracker; returns the layout."""
+def init_runtime(parallel: ParallelConfig, environ=None) -> Runtime:
+    """Initialise torch.distributed, megatron's parallel groups and its RNG tracker; returns the layout.
+    A collective that waits longer than parallel.distributed_timeout_minutes fails the job."""
     env = launch_env(environ)
+    timeout_minutes = parallel.distributed_timeout_minutes
     data_parallel = parallel.data_parallel(env.world_size)
     if parallel.device == "cpu":
-        cpu_compat.activate()
+        cpu_compat.activate(local_rank=env.local_rank)
         backend = "gloo"
     else:
         if not torch.cuda.is_available():
@@ -87,6 +98,37 @@ def init_runtime(parallel: ParallelConfig, environ=None, timeout_minutes: int = 
     )
     tensor_parallel.model_parallel_cuda_manual_seed(parallel.seed, force_reset_rng=True)
     return Runtime(parallel, env, data_parallel)
+
+
+class DriverSignal:
+    """Global rank 0 (the driver) works alone, for as long as it takes (a rollout, an evaluation), while the
+    other ranks wait for its word outside any collective: they poll torch.distributed's key-value store, so
+    no collective's watchdog runs out during a rollout of hours. Each `post` on the driver pairs with one
+    `wait` on every other rank, in order; the ranks then go on to whatever collective the message names."""
+
+    PREFIX = "megatron_dapo/driver/"
+
+    def __init__(self, poll_s: float = 0.05):
+        self.store = dist.distributed_c10d._get_default_store()
+        self.poll_s = poll_s
+        self.sent = 0
+
+    def _key(self, n: int) -> str:
+        return f"{self.PREFIX}{n}"
+
+    def post(self, message: str) -> None:
+        """Driver: hand `message` to every other rank (a few bytes a step stay in the store: no rank is
+        known to have read a message until it next meets the driver in a collective)."""
+        self.sent += 1
+        self.store.set(self._key(self.sent), message)
+
+    def wait(self) -> str:
+        """Other ranks: the driver's next message."""
+        self.sent += 1
+        key = self._key(self.sent)
+        while not self.store.check([key]):
+            time.sleep(self.poll_s)
+        return self.store.get(key).decode()
 
 
 def reset_parallel_layout() -> None:

@@ -6,8 +6,9 @@ advantages; groups that are all right or all wrong are dropped and sampling goes
 is full (dynamic sampling); the policy recomputes the old log-probs; the batch is cut into
 mini-batches, each one optimizer step of the fused clipped token-level loss; the new weights go to
 the inference engine. Global rank 0 (the driver) runs the rollout and hands the kept batch to every
-rank; everything after that is collective. Colocated servers (rollout.colocate) release their memory
-once the rollout is done and take it back around the weight sync.
+rank, which wait for it outside any collective (a paper-scale rollout outlasts any collective's
+watchdog); everything after that is collective. Colocated servers (rollout.colocate) release their
+memory once the rollout is done and take it back around the weight sync.
 """
 
 from __future__ import annotations
@@ -21,30 +22,26 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from megatron_dapo.algorithm import DynamicSampler, PromptItem
+from megatron_dapo.algorithm import DynamicSampler
 from megatron_dapo.checkpoint.hf_weights import load_hf_weights
 from megatron_dapo.checkpoint.safetensors_io import HFCheckpoint
 from megatron_dapo.checkpoint.trainer_checkpoint import latest_checkpoint, load_trainer_checkpoint, save_trainer_checkpoint
-from megatron_dapo.data.prompt_encoding import encode_prompt
 from megatron_dapo.data.prompt_file import drop_duplicate_rows, load_prompt_rows
 from megatron_dapo.data.prompt_sampler import PromptSampler
+from megatron_dapo.data.prompt_source import PromptSource
 from megatron_dapo.metrics_log import MetricsLogger
 from megatron_dapo.ops import STAT_NAMES
 from megatron_dapo.policy.hf_config import model_spec_from_hf
 from megatron_dapo.policy.model import build_model
-from megatron_dapo.policy.rollout_samples import (
-    MISMATCH_KEYS,
-    data_parallel_share,
-    flatten,
-    split_even,
-    training_samples,
-)
+from megatron_dapo.policy.mismatch import reduce_mismatch
+from megatron_dapo.policy.rollout_samples import training_samples
 from megatron_dapo.policy.train_step import PolicyTrainer
 from megatron_dapo.reward import RewardPool
 from megatron_dapo.rollout.engine import SamplingParams, sample_seed
 from megatron_dapo.rollout.server_memory import ServerMemory
 from megatron_dapo.run_config import DapoConfig
-from megatron_dapo.runtime import init_runtime, shutdown_runtime
+from megatron_dapo.runtime import DriverSignal, init_runtime, shutdown_runtime
+from megatron_dapo.samples import PromptItem, data_parallel_share, split_even
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +64,7 @@ class DapoTrainer:
         self.cfg = cfg
         self.runtime = init_runtime(cfg.parallel)
         self.driver = dist.get_rank() == 0
+        self.signal = DriverSignal()  # the driver's word to the ranks waiting on its rollout
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.dp_size = parallel_state.get_data_parallel_world_size()
         cfg.algorithm.check_data_parallel(self.dp_size)
@@ -75,7 +73,8 @@ class DapoTrainer:
         self.spec = model_spec_from_hf(hf.config)
         hf.validate(self.spec)
         self.policy = PolicyTrainer(self.spec, cfg.parallel, self.runtime.device, cfg.optim, cfg.loss,
-                                    cfg.model.max_tokens_per_micro_batch)
+                                    cfg.model.max_tokens_per_micro_batch,
+                                    activation_recompute=cfg.model.activation_recompute)
         load_hf_weights(self.policy.module, hf.get, self.spec, cfg.parallel)
         self.reference = self._frozen_reference(hf) if cfg.loss.kl_coef > 0 else None
         self.output_dir = Path(cfg.train.output_dir)
@@ -97,7 +96,8 @@ class DapoTrainer:
                                          resume_step=self.step_index if resume is not None else None)
         self.server_urls = self._server_urls()
         self.syncer = self._weight_syncer()
-        self.server_memory = ServerMemory(self.server_urls, self.runtime.device) if cfg.rollout.colocate else None
+        self.server_memory = (ServerMemory(self.server_urls, self.runtime.device, cfg.rollout.weight_sync_timeout_s)
+                              if cfg.rollout.colocate else None)
         if resume is not None:
             self.sync_weights()  # the servers start from the initial weights
 
@@ -128,9 +128,11 @@ class DapoTrainer:
                      len(self.rows), total)
         self.eval_rows = load_prompt_rows(cfg.data.eval_path)[0] if cfg.data.eval_path else []
         self.sampler = PromptSampler(len(self.rows), cfg.data.seed)
+        self.prompts = PromptSource(self.rows, self.sampler, self.tokenizer, max_prompt_len=cfg.data.max_prompt_len,
+                                    chat_template=cfg.data.chat_template, name=cfg.data.train_path)
         self.reward_pool = RewardPool(cfg.reward)
         self.engine = self._engine()
-        self.dynamic_sampler = DynamicSampler(self.engine, self._score_group, self._next_prompts, cfg.algorithm,
+        self.dynamic_sampler = DynamicSampler(self.engine, self._score_group, self.prompts.next_items, cfg.algorithm,
                                               self.params, dp_size=self.dp_size)
 
     def _engine(self):
@@ -167,18 +169,10 @@ class DapoTrainer:
         # colocated servers get the tensor route's weights from the first trainer rank on their node.
         return make_weight_syncer(r.weight_sync, self.server_urls, self.spec, self.cfg.parallel, self.hf_config,
                                   bucket_mb=r.weight_sync_bucket_mb, work_dir=self.output_dir / "weights",
-                                  master_address=self.runtime.env.master_addr, server_nodes=r.server_nodes,
-                                  node=self.runtime.env.node)
+                                  master_address=self.runtime.env.master_addr, timeout_s=r.weight_sync_timeout_s,
+                                  server_nodes=r.server_nodes, node=self.runtime.env.node)
 
     # -- the rollout, on the driver ------------------------------------------------------------------
-
-    def _next_prompts(self, k: int) -> list[PromptItem]:
-        items = []
-        for i in self.sampler.next_indices(k):
-            row = self.rows[i]
-            ids = encode_prompt(self.tokenizer, row.prompt, raw_prompt=not self.cfg.data.chat_template)
-            items.append(PromptItem(i, ids[-self.cfg.data.max_prompt_len:], row.ground_truth))
-        return items
 
     def _score_group(self, prompt: PromptItem, samples) -> list[bool]:
         texts = self.tokenizer.batch_decode([s.output_ids for s in samples], skip_special_tokens=True)
@@ -193,9 +187,10 @@ class DapoTrainer:
         if isinstance(self.syncer, DiskSyncer):
             if self.syncer.loaded is not None:
                 call_all([url], "/update_weights_from_disk", {"model_path": str(self.syncer.loaded),
-                                                             "weight_version": str(self.step_index)}, 600.0)
+                                                             "weight_version": str(self.step_index)},
+                         self.cfg.rollout.weight_sync_timeout_s)
             return
-        dist.broadcast_object_list([("resync", None)], src=0)
+        self.signal.post("resync")
         self.sync_weights()
 
     def _rollout(self):
@@ -205,16 +200,16 @@ class DapoTrainer:
             self.dynamic_sampler.params = dataclasses.replace(
                 self.params, seed=sample_seed(self.cfg.parallel.seed, self.step_index))
             batch = self.dynamic_sampler.collect()
-            message = [("batch", (flatten(batch), batch.metrics.as_dict()))]
-            dist.broadcast_object_list(message, src=0)
-            return message[0][1]
-        while True:  # wait for the batch, joining any weight sync a restarted server needs meanwhile
-            message = [None]
-            dist.broadcast_object_list(message, src=0)
-            kind, payload = message[0]
-            if kind == "batch":
-                return payload
+            metrics = {**batch.metrics.as_dict(), "prompts_too_long": self.prompts.too_long}
+            self.signal.post("batch")
+            box = [(batch.train_items(), metrics)]
+            dist.broadcast_object_list(box, src=0)
+            return box[0]
+        while self.signal.wait() == "resync":  # a restarted server needs the weights: every rank joins the sync
             self.sync_weights()
+        box = [None]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
 
     # -- the step ------------------------------------------------------------------------------------
 
@@ -233,7 +228,7 @@ class DapoTrainer:
                 share = data_parallel_share(items, self.dp_rank, self.dp_size)
                 samples, sums, abs_max = training_samples(
                     self.policy.module.eval(), self.reference, share, spec=self.spec,
-                    max_tokens=self.cfg.model.max_tokens_per_micro_batch, device=self.runtime.device,
+                    max_tokens_per_micro_batch=self.cfg.model.max_tokens_per_micro_batch, device=self.runtime.device,
                     tis_cap=self.cfg.loss.tis_cap)
                 self.policy.module.train()
             with timer("train"):
@@ -255,9 +250,7 @@ class DapoTrainer:
         return metrics
 
     def _train_metrics(self, results, sums, abs_max) -> dict[str, float]:
-        dist.all_reduce(sums)
-        dist.all_reduce(abs_max, op=dist.ReduceOp.MAX)
-        m = dict(zip(MISMATCH_KEYS, sums.tolist()))
+        m = reduce_mismatch(sums, abs_max)
         tokens = max(m["tokens"], 1.0)
         stats = {k: sum(r.stats[k] for r in results) for k in STAT_NAMES if k != "ratio_max"}
         loss_tokens = max(stats["num_tokens"], 1.0)
@@ -274,7 +267,7 @@ class DapoTrainer:
             "approx_kl": stats["k3_kl_sum"] / loss_tokens,
             "mismatch/kl": m["mismatch_k3_sum"] / tokens,
             "mismatch/abs_mean": m["mismatch_abs_sum"] / tokens,
-            "mismatch/abs_max": abs_max.item(),
+            "mismatch/abs_max": m["abs_max"],
             "loss_tokens": stats["num_tokens"],
             "updates": len(results),
         }
@@ -296,12 +289,21 @@ class DapoTrainer:
     # -- evaluation, checkpoints, the run ------------------------------------------------------------
 
     def evaluate(self) -> dict[str, float]:
-        """Driver: avg@k accuracy on the held-out prompts (k samples each, the rollout's sampling settings)."""
-        if not self.eval_rows:
+        """Every rank: avg@k accuracy on the held-out prompts (k samples each, the rollout's sampling settings),
+        computed by the driver while the other ranks wait for it outside collectives; {} on those ranks."""
+        if not self.driver:
+            self.signal.wait()
             return {}
-        rows = self.eval_rows[: self.cfg.train.eval_max_prompts]
+        result = self._evaluate() if self.eval_rows else {}
+        self.signal.post("evaluated")
+        return result
+
+    def _evaluate(self) -> dict[str, float]:
+        encoded = [(r, self.prompts.encode(r)) for r in self.eval_rows[: self.cfg.train.eval_max_prompts]]
+        rows, prompts = [r for r, ids in encoded if ids is not None], [ids for _, ids in encoded if ids is not None]
+        if not rows:
+            return {}
         k = self.cfg.train.eval_samples_per_prompt
-        prompts = [encode_prompt(self.tokenizer, r.prompt, raw_prompt=not self.cfg.data.chat_template) for r in rows]
         groups = self.engine.generate(prompts, k, self.params)
         texts = [self.tokenizer.decode(s.output_ids, skip_special_tokens=True) for g in groups for s in g]
         truths = [r.ground_truth for r, g in zip(rows, groups) for _ in g]
@@ -325,7 +327,7 @@ class DapoTrainer:
         bar = tqdm(total=cfg.steps, initial=self.step_index, desc="dapo", disable=not self.driver)
         while self.step_index < cfg.steps:
             metrics = self.step()
-            if cfg.eval_every and self.step_index % cfg.eval_every == 0 and self.driver:
+            if cfg.eval_every and self.step_index % cfg.eval_every == 0:
                 metrics.update(self.evaluate())
             if self.driver:
                 self.metrics.log(self.step_index, metrics)

@@ -64,7 +64,7 @@ def recomputed_logprobs(policy, ps, samples, model=None):
     out = response_logprobs(model, seqs, vocab_size=spec.vocab_size, max_positions=spec.max_position_embeddings,
                             max_tokens_per_micro_batch=1024, device=runtime.device)
     model.train()
-    return [o[0] for o in out]
+    return [o[0].cpu() for o in out]
 
 
 @pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.8), (1.5, 0.95)])

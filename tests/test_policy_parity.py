@@ -38,3 +38,8 @@ def test_vocab_parallel_gradient_matches_full_softmax(parity):
     grads = {k: v for k, v in parity.items() if k.startswith("logprob-grad-tp2")}
     assert len(grads) == 2, parity.keys()
     assert all(v["max_abs_grad"] < 1e-12 for v in grads.values())
+
+
+@pytest.mark.parametrize("kind", ["qwen2_tied", "qwen2", "llama"])
+def test_export_and_sync_of_transformer_engine_named_parameters_are_bitwise(parity, kind):
+    assert parity[f"te-names-{kind}"] == {"export_bitwise": True, "sync_bitwise": True}

@@ -1,4 +1,5 @@
-"""The training step under torchrun (gloo): split invariance across DP / micro-batches / TP / PP, and learning."""
+"""The training step under torchrun (gloo): split invariance across DP / micro-batches / TP / PP and with full
+activation recompute, and learning."""
 
 import json
 
@@ -11,13 +12,14 @@ from megatron_dapo.policy.train_step import OptimConfig, RolloutSample
 
 BASE = "tp1-pp1-dp1-mb100000"  # DP=1, one micro-batch
 SPLITS = ["tp1-pp1-dp2-mb62", "tp2-pp1-dp1-mb200", "tp1-pp2-dp1-mb200"]
+RECOMPUTE = ["tp2-pp1-dp1-mb200-r", "tp1-pp2-dp1-mb200-r"]  # model.activation_recompute: full
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("train")
     torchrun("train_worker.py", 1, str(out), "1,1,100000")
-    torchrun("train_worker.py", 2, str(out), "1,1,62", "2,1,200", "1,2,200", "adam")
+    torchrun("train_worker.py", 2, str(out), "1,1,62", "2,1,200", "1,2,200", "2,1,200,r", "1,2,200,r", "adam")
 
     def load(tag):
         deltas = {}
@@ -25,7 +27,7 @@ def runs(tmp_path_factory):
             deltas.update(torch.load(f))
         return json.loads((out / f"{tag}.json").read_text()), deltas
 
-    return {tag: load(tag) for tag in [BASE, *SPLITS, "adam"]}
+    return {tag: load(tag) for tag in [BASE, *SPLITS, *RECOMPUTE, "adam"]}
 
 
 def test_base_layout_is_one_micro_batch(runs):
@@ -36,7 +38,7 @@ def test_data_parallel_layout_splits_into_many_micro_batches(runs):
     assert runs["tp1-pp1-dp2-mb62"][0]["micro_batches_per_rank"] == [2, 4]
 
 
-@pytest.mark.parametrize("split", SPLITS)
+@pytest.mark.parametrize("split", SPLITS + RECOMPUTE)
 def test_one_step_is_the_same_whatever_the_split(runs, split):
     base_meta, base = runs[BASE]
     meta, other = runs[split]
@@ -48,6 +50,29 @@ def test_one_step_is_the_same_whatever_the_split(runs, split):
     assert meta["grad_norm"] == pytest.approx(base_meta["grad_norm"], rel=1e-5)
     assert meta["loss"] == pytest.approx(base_meta["loss"], rel=1e-5)
     assert meta["stats"]["num_tokens"] == base_meta["stats"]["num_tokens"]
+
+
+@pytest.mark.parametrize("split", RECOMPUTE)
+def test_recompute_checkpoints_every_layer_of_every_micro_batch(runs, split):
+    meta = runs[split][0]
+    micro_batches = meta["micro_batches_per_rank"]  # DP = 1: the same micro-batches on every rank
+    assert meta["checkpoints_per_rank"] == [meta["layers_per_stage"] * n for n in micro_batches]
+    assert runs[split.removesuffix("-r")][0]["checkpoints_per_rank"] == [0, 0]  # none without it
+
+
+def test_activation_recompute_is_megatron_full_uniform_one_layer_at_a_time():
+    from megatron_dapo.config import ParallelConfig
+    from megatron_dapo.policy.hf_config import model_spec_from_hf
+    from megatron_dapo.policy.model import transformer_config
+
+    spec = model_spec_from_hf({"architectures": ["Qwen2ForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
+                               "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+                               "vocab_size": 256, "max_position_embeddings": 128, "rms_norm_eps": 1e-6})
+    parallel = ParallelConfig(pipeline_parallel=2, device="cpu")
+    full = transformer_config(spec, parallel, activation_recompute="full")
+    assert (full.recompute_granularity, full.recompute_method, full.recompute_num_layers) == ("full", "uniform", 1)
+    assert full.distribute_saved_activations is False
+    assert transformer_config(spec, parallel).recompute_granularity is None  # the default: none
 
 
 def test_a_few_adam_steps_lower_the_loss(runs):

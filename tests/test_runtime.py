@@ -36,7 +36,7 @@ def test_multi_process_needs_master_addr():
 
 @pytest.fixture
 def compat():
-    cpu_compat.activate()
+    cpu_compat.activate(faithful=False)
     try:
         yield
     finally:
@@ -79,10 +79,20 @@ def test_host_events_time_on_the_host_clock(compat):
 
 def test_deactivate_restores_stock_torch():
     before = torch.cuda.current_device
-    cpu_compat.activate()
+    cpu_compat.activate(faithful=False)
     assert cpu_compat.is_active() and torch.cuda.current_device is not before
     cpu_compat.deactivate()
     assert not cpu_compat.is_active() and torch.cuda.current_device is before
     assert torch.zeros(2).type() == "torch.FloatTensor"
     with pytest.raises((RuntimeError, AssertionError)):
         torch.zeros(1, device="cuda")  # no GPU here: stock torch refuses
+
+
+def test_ranks_wait_for_the_driver_outside_collectives(tmp_path):
+    """A rollout outlasts every collective's watchdog: the waiting ranks must not sit in one meanwhile."""
+    from torchrun_launch import torchrun
+
+    torchrun("driver_signal_worker.py", 2, str(tmp_path / "out.txt"), timeout=120)
+    first, second, groups, waited = (tmp_path / "out.txt").read_text().split()
+    assert (first, second, groups) == ("resync", "batch", "3")
+    assert float(waited) >= 10.0  # five times the group's 2 s timeout

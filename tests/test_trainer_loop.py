@@ -44,7 +44,8 @@ def task(tmp_path_factory):
 def config(task: Path, out: Path, **sections) -> Path:
     cfg = {
         "model": {"path": str(task / "model"), "max_tokens_per_micro_batch": 1024},
-        "data": {"train_path": str(task / "train.jsonl"), "eval_path": str(task / "eval.jsonl"), "seed": 3},
+        "data": {"train_path": str(task / "train.jsonl"), "eval_path": str(task / "eval.jsonl"), "seed": 3,
+                 "max_prompt_len": 32},
         "parallel": {"device": "cpu", "seed": 7},
         "reward": {"num_workers": 1, "timeout_s": 5.0},
         "algorithm": {"batch_size": 4, "group_size": 4, "oversample_factor": 1.0, "max_sampling_rounds": 3,

@@ -7,16 +7,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from megatron_dapo.rollout.engine import Sample
-
-
-@dataclass(frozen=True)
-class PromptItem:
-    """One prompt to sample a group for."""
-
-    index: int  # the row's index in the dataset
-    token_ids: list[int]  # the chat-templated prompt
-    ground_truth: str
+from megatron_dapo.samples import PromptItem, Sample, TrainItem
 
 
 @dataclass(frozen=True)
@@ -90,3 +81,10 @@ class RolloutBatch:
     @property
     def num_samples(self) -> int:
         return sum(len(g.samples) for g in self.groups)
+
+    def train_items(self) -> list[TrainItem]:
+        """The batch's responses, groups in prompt order: the order groups completed in does not matter."""
+        groups = sorted(self.groups, key=lambda g: g.prompt.index)
+        return [TrainItem(g.prompt.token_ids, list(s.output_ids), list(s.logprobs), float(g.advantages[i]),
+                          bool(g.loss_mask[i]))
+                for g in groups for i, s in enumerate(g.samples)]

@@ -14,7 +14,7 @@ from collections.abc import Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_dapo.checkpoint.hf_mapping import hf_names, hf_shape, hf_tensors, megatron_names, tp_dim
+from megatron_dapo.checkpoint.hf_mapping import hf_names, hf_shape, hf_tensors, megatron_names, tp_dim, uses_te_names
 from megatron_dapo.checkpoint.hf_weights import layer_offset
 from megatron_dapo.checkpoint.safetensors_io import write_hf_checkpoint
 from megatron_dapo.config import ParallelConfig
@@ -55,7 +55,7 @@ def iter_hf_tensors(model: torch.nn.Module, spec: ModelSpec, parallel: ParallelC
     tp_group = parallel_state.get_tensor_model_parallel_group()
     me = dist.get_rank()
     sender = _stage_senders(stage, first_dp and parallel_state.get_tensor_model_parallel_rank() == 0)
-    for mname in megatron_names(spec):
+    for mname in megatron_names(spec, te_names=uses_te_names(params)):  # TE models fuse the norms' names
         owner = _owner_stage(mname, spec, parallel)
         if stage == owner and first_dp:
             local = params[_local_name(mname, spec, parallel, stage)].detach().to(dtype)

@@ -7,7 +7,10 @@ tensor-parallel rank, Megatron holds:
 - linear_fc1: [gate shard; up shard] of the SwiGLU MLP, so each rank's fc1 holds both halves;
 - word embeddings and output layer: rows padded to the padded vocabulary, split by rows;
 - linear_proj, linear_fc2: split by input columns; norms replicated.
-Both the local and the Transformer Engine layer specs' names are understood.
+Both the local and the Transformer Engine layer specs' names are understood, in both directions: TE
+fuses the two pre-norms into the next linear layer (`linear_qkv.layer_norm_weight`,
+`linear_fc1.layer_norm_weight`), and megatron-core's checkpoints store the local spec's norms under
+those names too.
 """
 
 from __future__ import annotations
@@ -27,12 +30,15 @@ HF_FINAL_NORM = "model.norm.weight"
 # Buffers some checkpoints carry that config.json already defines (the rotary frequencies).
 HF_DERIVED_SUFFIXES = ("rotary_emb.inv_freq",)
 
+# Local-spec norm -> its Transformer Engine name (fused into the linear layer that follows it).
+TE_FUSED_NORMS = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+                  "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
 # Megatron suffix inside a layer -> HF suffix inside `model.layers.{i}.` (one-to-one tensors).
 _LAYER_DIRECT = {
     "input_layernorm.weight": "input_layernorm.weight",
-    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    TE_FUSED_NORMS["input_layernorm.weight"]: "input_layernorm.weight",
     "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
-    "mlp.linear_fc1.layer_norm_weight": "post_attention_layernorm.weight",
+    TE_FUSED_NORMS["pre_mlp_layernorm.weight"]: "post_attention_layernorm.weight",
     "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
     "mlp.linear_fc2.weight": "mlp.down_proj.weight",
     "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
@@ -78,10 +84,13 @@ def hf_names(mname: str, spec: ModelSpec) -> list[str]:
     raise MappingError(f"no Hugging Face counterpart for Megatron tensor {mname!r}")
 
 
-def megatron_names(spec: ModelSpec) -> list[str]:
-    """Every Megatron tensor of the model (global layer numbering, local-spec names)."""
+def megatron_names(spec: ModelSpec, *, te_names: bool = False) -> list[str]:
+    """Every Megatron tensor of the model (global layer numbering), with the local spec's names or, with
+    `te_names`, Transformer Engine's; in the same order either way."""
     layer = ["input_layernorm.weight", "self_attention.linear_qkv.weight", "self_attention.linear_proj.weight",
              "pre_mlp_layernorm.weight", "mlp.linear_fc1.weight", "mlp.linear_fc2.weight"]
+    if te_names:
+        layer = [TE_FUSED_NORMS.get(s, s) for s in layer]
     if spec.qkv_bias:
         layer.append("self_attention.linear_qkv.bias")
     if spec.qk_layernorm:
@@ -92,6 +101,12 @@ def megatron_names(spec: ModelSpec) -> list[str]:
     if not spec.tie_word_embeddings:
         names.append("output_layer.weight")
     return names
+
+
+def uses_te_names(names) -> bool:
+    """Whether parameter names are Transformer Engine's (its fused norms) rather than the local spec's."""
+    fused = tuple(TE_FUSED_NORMS.values())
+    return any(n.endswith(fused) for n in names)
 
 
 def expected_hf_names(spec: ModelSpec) -> set[str]:

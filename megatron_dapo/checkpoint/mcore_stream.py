@@ -52,7 +52,7 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 
-from megatron_dapo.checkpoint.hf_mapping import megatron_names, megatron_shard, megatron_shape, tp_dim
+from megatron_dapo.checkpoint.hf_mapping import TE_FUSED_NORMS, megatron_names, megatron_shard, megatron_shape, tp_dim
 from megatron_dapo.checkpoint.safetensors_io import CheckpointError
 from megatron_dapo.policy.hf_config import ModelSpec
 
@@ -62,9 +62,6 @@ BACKEND = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "commo
 BACKEND_FILE, COMMON_FILE = "metadata.json", "common.pt"
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
-# Local-spec names megatron-core stores under Transformer Engine's names.
-_STORED_AS = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
-              "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
 _LINEARS = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1", "mlp.linear_fc2")
 
 
@@ -82,7 +79,8 @@ def stored_key(mname: str) -> tuple[str, int | None]:
     if match is None:
         return mname, None
     suffix = match.group(2)
-    return f"decoder.layers.{_STORED_AS.get(suffix, suffix)}", int(match.group(1))
+    # megatron-core stores the local spec's norms under Transformer Engine's names.
+    return f"decoder.layers.{TE_FUSED_NORMS.get(suffix, suffix)}", int(match.group(1))
 
 
 def stored_dtype(mname: str, dtype: torch.dtype) -> torch.dtype:

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from megatron_dapo.config import ConfigError, ParallelConfig
 from megatron_dapo.policy.hf_config import ModelSpec
+from megatron_dapo.runtime import tensors_on_gpu
 
 VOCAB_DIVISIBLE_BY = 128  # Megatron's default padding unit, times the TP size
 
@@ -39,10 +40,23 @@ def use_transformer_engine(parallel: ParallelConfig) -> bool:
     return True
 
 
+def recompute_options(activation_recompute: str) -> dict:
+    """megatron-core's TransformerConfig fields for model.activation_recompute. "full": every layer is its own
+    checkpoint (uniform, one layer per unit): it keeps its input and recomputes the rest in the backward, only in
+    training mode (megatron-core skips it under `model.eval()`). distribute_saved_activations stays off: splitting
+    the kept inputs over the TP ranks costs an all-gather per layer in the backward, and megatron-core refuses it
+    with sequence parallelism. (ModelConfig validates the value.)"""
+    if activation_recompute == "none":
+        return {}
+    return {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1,
+            "distribute_saved_activations": False}
+
+
 def transformer_config(spec: ModelSpec, parallel: ParallelConfig, params_dtype: torch.dtype | None = None,
-                       initialize: bool = True):
+                       initialize: bool = True, activation_recompute: str = "none"):
     """bf16 on GPU and fp32 on CPU unless `params_dtype` says otherwise (the converter keeps the file's).
-    `initialize=False` leaves the weights unset, for a model that is about to be filled from a checkpoint."""
+    `initialize=False` leaves the weights unset, for a model that is about to be filled from a checkpoint.
+    `activation_recompute` is model.activation_recompute; only the trained model needs "full"."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     check_divisibility(spec, parallel)
@@ -69,7 +83,7 @@ def transformer_config(spec: ModelSpec, parallel: ParallelConfig, params_dtype: 
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
-        use_cpu_initialization=not on_gpu,
+        use_cpu_initialization=not tensors_on_gpu(parallel),
         perform_initialization=initialize,
         # Fusions that need apex / TE kernels stay off; TE's own layers fuse on GPU.
         bias_activation_fusion=False,
@@ -85,24 +99,31 @@ def transformer_config(spec: ModelSpec, parallel: ParallelConfig, params_dtype: 
         # Micro-batches of different lengths through the pipeline schedules.
         variable_seq_lengths=True,
         moe_token_dispatcher_type="alltoall",
+        **recompute_options(activation_recompute),
     )
 
 
 def build_model(spec: ModelSpec, parallel: ParallelConfig, *, pre_process: bool, post_process: bool,
-                params_dtype: torch.dtype | None = None, initialize: bool = True):
-    """GPTModel for this pipeline stage; logits stay split over the vocabulary (parallel_output)."""
+                params_dtype: torch.dtype | None = None, initialize: bool = True, activation_recompute: str = "none"):
+    """GPTModel for this pipeline stage; logits stay split over the vocabulary (parallel_output).
+    `activation_recompute="full"` for a model that is trained (see recompute_options); a frozen or forward-only
+    model keeps no activations for a backward, so it has nothing to recompute."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
         get_gpt_layer_with_transformer_engine_spec,
     )
 
-    config = transformer_config(spec, parallel, params_dtype, initialize)
+    from megatron_dapo.policy.sdpa_attention import SdpaAttention
+
+    config = transformer_config(spec, parallel, params_dtype, initialize, activation_recompute)
     if use_transformer_engine(parallel):
         layer_spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_layernorm)
     else:
         layer_spec = get_gpt_layer_local_spec(qk_layernorm=spec.qk_layernorm, normalization="RMSNorm")
-    return GPTModel(
+        # The local DotProductAttention materialises [b, heads, s, s] scores; SDPA's kernels do not.
+        layer_spec.submodules.self_attention.submodules.core_attention = SdpaAttention
+    model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec,
         vocab_size=padded_vocab_size(spec.vocab_size, parallel.tensor_parallel),
@@ -114,3 +135,6 @@ def build_model(spec: ModelSpec, parallel: ParallelConfig, *, pre_process: bool,
         position_embedding_type="rope",
         rotary_base=int(spec.rope_theta),
     )
+    if tensors_on_gpu(parallel):  # what megatron-core builds on the host (norms) goes to the GPU too
+        model.cuda(torch.cuda.current_device())
+    return model

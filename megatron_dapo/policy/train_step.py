@@ -55,7 +55,10 @@ class PolicyTrainer:
     """This rank's model stage, wrapped for training, and the step that updates it."""
 
     def __init__(self, spec: ModelSpec, parallel: ParallelConfig, device: torch.device, optim: OptimConfig,
-                 loss: LossConfig, max_tokens_per_micro_batch: int):
+                 loss: LossConfig, max_tokens_per_micro_batch: int, activation_recompute: str = "none"):
+        """`activation_recompute`: model.activation_recompute ("full": each layer keeps only its input and
+        recomputes the rest in the backward). Forward-only passes are unaffected: megatron-core recomputes only in
+        training mode, and under no_grad its checkpoint keeps nothing for a backward either."""
         from megatron.core import parallel_state
         from megatron.core.distributed import (
             DistributedDataParallel,
@@ -69,7 +72,8 @@ class PolicyTrainer:
         self.max_tokens = max_tokens_per_micro_batch
         self.step_count = 0
         model = build_model(spec, parallel, pre_process=parallel_state.is_pipeline_first_stage(),
-                            post_process=parallel_state.is_pipeline_last_stage())
+                            post_process=parallel_state.is_pipeline_last_stage(),
+                            activation_recompute=activation_recompute)
         config = model.config
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                    use_distributed_optimizer=optim.distributed_optimizer,

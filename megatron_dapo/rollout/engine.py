@@ -12,6 +12,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from megatron_dapo.samples import Sample
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -31,17 +33,6 @@ class SamplingParams:
             raise ValueError(f"rollout.top_p: must be in (0, 1], got {self.top_p}")
         if self.max_new_tokens < 1:
             raise ValueError(f"rollout.max_new_tokens: must be >= 1, got {self.max_new_tokens}")
-
-
-@dataclass(frozen=True)
-class Sample:
-    """One sampled response."""
-
-    prompt_index: int  # position of its prompt in the list given to generate / stream
-    output_ids: list[int]
-    logprobs: list[float]  # the engine's log-prob of each output token
-    finish_reason: str  # "stop" or "length"
-    weight_version: str
 
 
 def sample_seed(seed: int, *path: int) -> int:

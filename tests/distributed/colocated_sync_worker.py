@@ -44,7 +44,7 @@ def main(out_json, model_dir, url, bucket_mb):
     trainer = PolicyTrainer(spec, parallel, runtime.device, OptimConfig(lr=2e-2, warmup_steps=0), LossConfig(), 512)
     load_hf_weights(trainer.module, ckpt.get, spec, parallel)
 
-    full = [(name, (t - ckpt.get(name)).abs().max().item()) for name, t in
+    full = [(name, (t.cpu() - ckpt.get(name)).abs().max().item()) for name, t in
             iter_hf_tensors(trainer.module, spec, parallel, receivers=[0, 1])]
     received = gathered(full)
 

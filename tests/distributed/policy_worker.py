@@ -27,8 +27,8 @@ def logprob_errors(model, spec, runtime, seqs, ref) -> dict | None:
     if out is None:
         return None
     return {
-        "max_abs_logp": max((o[0].double() - r[0]).abs().max().item() for o, r in zip(out, ref)),
-        "max_abs_entropy": max((o[1].double() - r[1]).abs().max().item() for o, r in zip(out, ref)),
+        "max_abs_logp": max((o[0].double().cpu() - r[0]).abs().max().item() for o, r in zip(out, ref)),
+        "max_abs_entropy": max((o[1].double().cpu() - r[1]).abs().max().item() for o, r in zip(out, ref)),
         "tokens": sum(o[0].numel() for o in out),
     }
 
@@ -42,6 +42,51 @@ def build_loaded(spec, parallel, get):
                         post_process=parallel_state.is_pipeline_last_stage())
     load_hf_weights(model, get, spec, parallel)
     return model.eval(), runtime
+
+
+class TeNamed(torch.nn.Module):
+    """A local-spec stage whose parameters answer to Transformer Engine's names, as a TE-built stage's do: the
+    norms fused into the next linear layer (`linear_qkv.layer_norm_weight`, `linear_fc1.layer_norm_weight`)."""
+
+    TE = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+          "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
+
+    def __init__(self, model):
+        super().__init__()
+        self.config = model.config
+        object.__setattr__(self, "stage", model)  # not a submodule: its own names stay hidden
+
+    def named_parameters(self, *args, **kwargs):
+        for name, p in self.stage.named_parameters():
+            head, _, tail = name.rpartition(".layers.")
+            if head:
+                layer, rest = tail.split(".", 1)
+                name = f"{head}.layers.{layer}.{self.TE.get(rest, rest)}"
+            yield name, p
+
+
+def te_named_cases(model, spec, parallel, ckpt, out_dir, kind) -> dict:
+    """Export and the weight sync's buckets from TE-named parameters give the source checkpoint's bytes."""
+    import torch.distributed as dist
+
+    from megatron_dapo.checkpoint.hf_export import export_hf_checkpoint
+    from megatron_dapo.checkpoint.safetensors_io import HFCheckpoint
+    from megatron_dapo.weight_sync.buckets import iter_hf_buckets
+
+    te = TeNamed(model)
+    assert any(n.endswith("linear_qkv.layer_norm_weight") for n, _ in te.named_parameters())
+    exported = os.path.join(out_dir, f"exported_te_{kind}")
+    export_hf_checkpoint(te, spec, parallel, exported, hf_config=ckpt.config, max_shard_bytes=50_000)
+    bucketed = {name: t.cpu().clone()
+                for b in iter_hf_buckets(te, spec, parallel, 20_000) for name, t in b.named_tensors()}
+    if dist.get_rank() != 0:
+        return {}
+    back = HFCheckpoint(exported)
+    return {f"te-names-{kind}": {
+        "export_bitwise": sorted(back.names()) == sorted(ckpt.names())
+        and all(torch.equal(back.get(n), ckpt.get(n)) for n in ckpt.names()),
+        "sync_bitwise": sorted(bucketed) == sorted(ckpt.names())
+        and all(torch.equal(bucketed[n], ckpt.get(n)) for n in ckpt.names())}}
 
 
 def folder_round_trip_cases(out_dir: str, seqs) -> dict:
@@ -76,6 +121,7 @@ def folder_round_trip_cases(out_dir: str, seqs) -> dict:
                 "bitwise_equal": all(torch.equal(back.get(n), ckpt.get(n)) for n in ckpt.names()),
                 "same_config": back.config == ckpt.config,
             }
+        results.update(te_named_cases(model, spec, parallel, ckpt, out_dir, kind))
         reset_parallel_layout()
     return results
 
@@ -87,7 +133,7 @@ def vocab_parallel_gradient_case(world: int) -> dict:
     from megatron_dapo.policy.logprobs import vocab_parallel_logprobs
 
     tp = 2 if world % 2 == 0 else 1
-    init_runtime(ParallelConfig(tensor_parallel=tp, device="cpu"))
+    device = init_runtime(ParallelConfig(tensor_parallel=tp, device="cpu")).device
     g = torch.Generator().manual_seed(3)
     vocab, padded = 300, 384
     full = torch.randn(50, padded, generator=g, dtype=torch.float64) * 3
@@ -97,12 +143,12 @@ def vocab_parallel_gradient_case(world: int) -> dict:
     (torch.log_softmax(ref, -1).gather(1, targets[:, None]).squeeze(1) * weights).sum().backward()
     rank = parallel_state.get_tensor_model_parallel_rank()
     cols = padded // tp
-    local = full[:, rank * cols:(rank + 1) * cols].clone().requires_grad_()
-    logp, _ = vocab_parallel_logprobs(local, targets, vocab_start=rank * cols, vocab_size=vocab,
+    local = full[:, rank * cols:(rank + 1) * cols].to(device).requires_grad_()
+    logp, _ = vocab_parallel_logprobs(local, targets.to(device), vocab_start=rank * cols, vocab_size=vocab,
                                       group=parallel_state.get_tensor_model_parallel_group())
-    (logp * weights).sum().backward()
+    (logp * weights.to(device)).sum().backward()
     expected = torch.cat([ref.grad, torch.zeros(50, padded - vocab, dtype=torch.float64)], 1)
-    err = (local.grad - expected[:, rank * cols:(rank + 1) * cols]).abs().max().item()
+    err = (local.grad.cpu() - expected[:, rank * cols:(rank + 1) * cols]).abs().max().item()
     reset_parallel_layout()
     return {f"logprob-grad-tp{tp}-rank{rank}": {"max_abs_grad": err}}
 

@@ -32,7 +32,7 @@ def main(out_json, model_dir, samples_json, tp):
     seqs = [Sequence(torch.tensor(s["prompt"] + s["output"]), len(s["prompt"])) for s in samples]
     out = response_logprobs(model.eval(), seqs, vocab_size=spec.vocab_size, max_positions=spec.max_position_embeddings,
                             max_tokens_per_micro_batch=512, device=runtime.device)
-    diff = max((o[0].double() - torch.tensor(s["logprobs"], dtype=torch.float64)).abs().max().item()
+    diff = max((o[0].double().cpu() - torch.tensor(s["logprobs"], dtype=torch.float64)).abs().max().item()
                for o, s in zip(out, samples))
     if dist.get_rank() == 0:
         with open(out_json, "w") as f:

@@ -1,9 +1,10 @@
 """torchrun worker: one training step at the layouts a world size allows, and a few Adam steps.
 
-argv: OUT_DIR LAYOUT [LAYOUT ...], a layout being tp,pp,micro_batch_tokens. Per layout the weight
-change of one Adam step, gathered to HF names,
-goes to OUT_DIR/{layout}-stage{pp_rank}.pt from the ranks with tp_rank = dp_rank = 0; the step's
-loss and grad norm to OUT_DIR/{layout}.json. Layout "adam" runs 6 Adam steps at TP=2 and records the loss.
+argv: OUT_DIR LAYOUT [LAYOUT ...], a layout being tp,pp,micro_batch_tokens[,r] (r: full activation
+recompute, model.activation_recompute "full"). Per layout the weight change of one Adam step, gathered to
+HF names, goes to OUT_DIR/{tag}-stage{pp_rank}.pt from the ranks with tp_rank = dp_rank = 0; the step's
+loss and grad norm to OUT_DIR/{tag}.json, with how many layer checkpoints megatron-core made on each rank.
+Layout "adam" runs 6 Adam steps at TP=2 and records the loss.
 """
 
 import json
@@ -57,22 +58,45 @@ def gathered_hf_state(model, spec, parallel):
     return out
 
 
+class CheckpointCounter:
+    """Counts megatron-core's activation checkpoints (one per layer per micro-batch under full recompute)."""
+
+    def __init__(self):
+        from megatron.core import tensor_parallel
+
+        self.module, self.original, self.calls = tensor_parallel, tensor_parallel.checkpoint, 0
+
+        def counting(*args, **kwargs):
+            self.calls += 1
+            return self.original(*args, **kwargs)
+
+        tensor_parallel.checkpoint = counting
+
+    def restore(self):
+        self.module.checkpoint = self.original
+
+
 def run_layout(out_dir, layout, spec, hf):
     from megatron.core import parallel_state
 
     adam = layout == "adam"
-    tp, pp, mb_tokens = (2, 1, 200) if adam else map(int, layout.split(","))
+    fields = ["2", "1", "200"] if adam else layout.split(",")
+    recompute = fields[3:] == ["r"]
+    if not (len(fields) == 3 or recompute):
+        raise SystemExit(f"bad layout {layout!r}: expected tp,pp,micro_batch_tokens[,r]")
+    tp, pp, mb_tokens = map(int, fields[:3])
     parallel = ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp, device="cpu", seed=7)
     runtime = init_runtime(parallel)
     # First Adam step with eps >> |g|: the change is lr * g / (|g| + eps), i.e. minus the gradient for lr = eps.
     optim = (OptimConfig(lr=3e-3, warmup_steps=0, weight_decay=0.0, clip_grad=1.0) if adam else
              OptimConfig(lr=1e3, adam_eps=1e3, warmup_steps=0, weight_decay=0.0, clip_grad=0.0))
-    trainer = PolicyTrainer(spec, parallel, runtime.device, optim, LossConfig(dual_clip_c=3.0), mb_tokens)
+    trainer = PolicyTrainer(spec, parallel, runtime.device, optim, LossConfig(dual_clip_c=3.0), mb_tokens,
+                            activation_recompute="full" if recompute else "none")
     load_hf_weights(trainer.module, hf.state_dict().__getitem__, spec, parallel)
     dp, dp_rank = runtime.data_parallel, parallel_state.get_data_parallel_rank()
     samples = batch(hf)
     mine = samples[dp_rank::dp]
-    tag = "adam" if adam else f"tp{tp}-pp{pp}-dp{dp}-mb{mb_tokens}"
+    tag = "adam" if adam else f"tp{tp}-pp{pp}-dp{dp}-mb{mb_tokens}" + ("-r" if recompute else "")
     counts = [None] * dist.get_world_size()
     dist.all_gather_object(counts, len(micro_batches([s.sequence for s in mine], mb_tokens)))
     record = {"micro_batches_per_rank": counts}
@@ -84,9 +108,16 @@ def run_layout(out_dir, layout, spec, hf):
         record["losses"] = losses
     else:
         before = gathered_hf_state(trainer.module, spec, parallel)
-        result = trainer.step(mine)
+        counter = CheckpointCounter()
+        try:
+            result = trainer.step(mine)
+        finally:
+            counter.restore()
         after = gathered_hf_state(trainer.module, spec, parallel)
-        record.update(loss=result.loss, grad_norm=result.grad_norm, stats=result.stats)
+        checkpoints = [None] * dist.get_world_size()
+        dist.all_gather_object(checkpoints, counter.calls)
+        record.update(loss=result.loss, grad_norm=result.grad_norm, stats=result.stats,
+                      layers_per_stage=spec.num_layers // pp, checkpoints_per_rank=checkpoints)
         if parallel_state.get_tensor_model_parallel_rank() == 0 and dp_rank == 0:
             stage = parallel_state.get_pipeline_model_parallel_rank()
             torch.save({k: after[k] - before[k] for k in after}, os.path.join(out_dir, f"{tag}-stage{stage}.pt"))

@@ -28,7 +28,7 @@ def perturb(module, seed):
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in module.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=g))
+            p.add_(0.05 * torch.randn(p.shape, generator=g).to(p.device))
 
 
 def main(out_json, model_dir, url, flag_dir):

@@ -46,7 +46,7 @@ def parity(trainer, spec, runtime, samples):
     trainer.module.train()
     if out is None:
         return None, seqs
-    return max((o[0].double() - torch.tensor(lp, dtype=torch.float64)).abs().max().item()
+    return max((o[0].double().cpu() - torch.tensor(lp, dtype=torch.float64)).abs().max().item()
                for o, (_, _, lp, _) in zip(out, samples)), seqs
 
 

@@ -1,0 +1,386 @@
+"""Device-faithful CPU mode: on the CPU, fail where the GPU would.
+
+The CPU redirects (`cpu_compat`) turn every CUDA tensor into a host tensor, so a host tensor mixed with
+a device tensor, or a host tensor handed to an NCCL collective, passes on the CPU and crashes on the
+first GPU step. In this mode every storage carries the place the GPU path would have given it:
+
+- *device*: made with a CUDA device (`device="cuda"`, an int, `runtime.device`, `x.device` of a device
+  tensor), moved there (`.cuda()`, `.to(cuda)`), or computed from device tensors;
+- *host*: made by a Python-level torch call without a CUDA device (`torch.tensor(list)`,
+  `torch.zeros(n)`), or moved there (`.cpu()`, `.to("cpu")`, which copy, as they do from a GPU);
+- *unknown*: made inside torch's C++ (backward formulas, `torch.load`), which on a GPU follows the
+  tensors it is used with; it takes the place of the first tensor it meets.
+
+An op that mixes device and host tensors raises the error CUDA raises (0-dim host tensors are allowed,
+as CUDA allows CPU scalars; so are cross-device copies and host index tensors); `.numpy()` of a device
+tensor raises; a collective over a group that runs NCCL on GPUs (every group not created with an
+explicit gloo backend) refuses host tensors, as NCCL does. `x.device` of a device tensor reports
+`cuda:LOCAL_RANK`, so code that derives devices from tensors follows the GPU path.
+
+Switched on with `MEGATRON_DAPO_DEVICE_FAITHFUL=1` for CPU runs (the test suite sets it); it costs a
+Python call per tensor op, so plain CPU runs (the demo) leave it off.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.weak import WeakIdKeyDictionary
+
+ENV = "MEGATRON_DAPO_DEVICE_FAITHFUL"
+
+DEVICE, HOST = True, False
+_place: WeakIdKeyDictionary = WeakIdKeyDictionary()  # untyped storage -> DEVICE / HOST; absent: unknown
+_host_groups: set[str] = set()  # names of process groups that stay gloo on GPUs
+_local = [0]  # this process's GPU ordinal (LOCAL_RANK)
+
+
+def requested(environ=None) -> bool:
+    return (os.environ if environ is None else environ).get(ENV, "0") == "1"
+
+
+def local_device() -> torch.device:
+    """The GPU this process's device tensors stand for."""
+    return torch.device("cuda", _local[0])
+
+
+def _storage(t: torch.Tensor):
+    try:
+        return t.untyped_storage()
+    except (RuntimeError, NotImplementedError):  # sparse, nested, meta: no plain storage
+        return None
+
+
+def place(t: torch.Tensor) -> bool | None:
+    s = _storage(t)
+    return None if s is None else _place.get(s)
+
+
+def is_device(t: torch.Tensor) -> bool:
+    return place(t) is DEVICE
+
+
+def _set(t: torch.Tensor, where: bool) -> torch.Tensor:
+    s = _storage(t)
+    if s is not None:
+        _place[s] = where
+    return t
+
+
+def mark_device(t: torch.Tensor) -> torch.Tensor:
+    """Tag `t`'s storage as device memory (what `.cuda()` would give)."""
+    return _set(t, DEVICE)
+
+
+def _tensors(values):
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            yield v
+        elif isinstance(v, (list, tuple)):
+            yield from (x for x in v if isinstance(x, torch.Tensor))
+
+
+def is_cuda_device(device) -> bool:
+    """Whether a `device=` argument names a GPU."""
+    if isinstance(device, int) and not isinstance(device, bool):
+        return True  # torch reads a bare int as a CUDA ordinal
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return isinstance(device, torch.device) and device.type == "cuda"
+
+
+def _describe(t: torch.Tensor, where: str) -> str:
+    return f"{where} tensor {t.dtype} {tuple(t.shape)}"
+
+
+class DeviceMixError(RuntimeError):
+    """What CUDA or NCCL would have raised on a GPU."""
+
+
+# -- the Python-level calls -------------------------------------------------------------------------
+
+CUDA_TYPE_NAMES = {  # what the no-argument Tensor.type() of a GPU tensor says
+    torch.float32: "torch.cuda.FloatTensor", torch.float16: "torch.cuda.HalfTensor",
+    torch.bfloat16: "torch.cuda.BFloat16Tensor", torch.float64: "torch.cuda.DoubleTensor",
+    torch.int64: "torch.cuda.LongTensor", torch.int32: "torch.cuda.IntTensor", torch.uint8: "torch.cuda.ByteTensor",
+    torch.bool: "torch.cuda.BoolTensor",
+}
+_NEW_TENSOR_FUNCS = {torch.tensor, torch.as_tensor}  # copy Python data: on the host unless told otherwise
+
+
+def _getter(prop) -> object:
+    return prop.__get__  # compared by ==: each access makes a new method-wrapper
+
+
+class FaithfulFunctionMode(TorchFunctionMode):
+    """Sends CUDA factories and moves to the CPU (as cpu_compat does) and records where each result lives."""
+
+    def __init__(self):
+        super().__init__()
+        self._device_get = _getter(torch.Tensor.device)
+        self._is_cuda_get = _getter(torch.Tensor.is_cuda)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func == self._device_get:
+            return local_device() if is_device(args[0]) else func(*args)
+        if func == self._is_cuda_get:
+            return is_device(args[0])
+        handler = _HANDLERS.get(func)
+        if handler is not None:
+            return handler(func, args, kwargs)
+        device = kwargs.get("device")
+        if device is not None:
+            kwargs = {**kwargs, "device": "cpu"}
+        if kwargs.get("pin_memory"):
+            kwargs = {**kwargs, "pin_memory": False}
+        out = func(*args, **kwargs)
+        if isinstance(out, torch.Tensor) and (device is not None or func in _NEW_TENSOR_FUNCS
+                                              or not any(True for _ in _tensors(args))):
+            inputs = {id(_storage(t)) for t in _tensors(args)}
+            if id(_storage(out)) not in inputs:  # a new tensor: not a view of an input
+                if device is not None:
+                    _set(out, is_cuda_device(device))
+                elif place(out) is None:
+                    _set(out, HOST)
+        return out
+
+
+def _type(func, args, kwargs):
+    if len(args) == 1 and not kwargs:  # the optimizer checks `param.type() == "torch.cuda.FloatTensor"`
+        t = args[0]
+        return CUDA_TYPE_NAMES.get(t.dtype, func(t)) if is_device(t) else func(t)
+    return func(*args, **kwargs)
+
+
+def _get_device(func, args, kwargs):
+    return local_device().index if is_device(args[0]) else func(*args, **kwargs)
+
+
+def _numpy(func, args, kwargs):
+    if is_device(args[0]):
+        raise TypeError(f"can't convert {local_device()} device type tensor to numpy. Use Tensor.cpu() to copy the "
+                        "tensor to host memory first. (device-faithful CPU mode)")
+    return func(*args, **kwargs)
+
+
+def _cuda(func, args, kwargs):
+    t = args[0]
+    return t if is_device(t) else mark_device(t.clone())
+
+
+def _cpu(func, args, kwargs):
+    t = args[0]
+    return _set(t.clone(), HOST) if is_device(t) else t
+
+
+def _identity(func, args, kwargs):
+    return args[0]
+
+
+def _is_device_arg(a) -> bool:
+    return isinstance(a, (str, torch.device)) or (isinstance(a, int) and not isinstance(a, bool))
+
+
+def _to(func, args, kwargs):
+    """`.to()`: a move to the other memory always copies (as from or to a GPU); a dtype change keeps the place."""
+    t, rest = args[0], args[1:]
+    if rest and isinstance(rest[0], torch.Tensor):  # .to(other): other's place and dtype
+        other = rest[0]
+        target = place(other)
+        rest = (other.dtype, *rest[1:])
+    else:
+        device = torch._C._nn._parse_to(*rest, **kwargs)[0]
+        target = None if device is None else (DEVICE if is_cuda_device(device) else HOST)
+        rest = tuple("cpu" if _is_device_arg(a) else a for a in rest)
+        if "device" in kwargs:
+            kwargs = {**kwargs, "device": "cpu"}
+    here = place(t)
+    moving = target is not None and target != (HOST if here is None else here)
+    out = func(t, *rest, **({**kwargs, "copy": True} if moving else kwargs))
+    if out is not t and target is not None:
+        _set(out, target)
+    return out
+
+
+def _type_as(func, args, kwargs):
+    t, other = args[0], args[1]
+    return _to(torch.Tensor.to, (t, other), {})
+
+
+_HANDLERS = {
+    torch.Tensor.type: _type,
+    torch.Tensor.get_device: _get_device,
+    torch.Tensor.numpy: _numpy,
+    torch.Tensor.__array__: _numpy,
+    torch.Tensor.cuda: _cuda,
+    torch.Tensor.cpu: _cpu,
+    torch.Tensor.to: _to,
+    torch.Tensor.type_as: _type_as,
+    torch.Tensor.pin_memory: _identity,
+}
+
+
+# -- the ops -----------------------------------------------------------------------------------------
+
+_aten = torch.ops.aten
+# Ops CUDA runs across memories: copies (into an unknown tensor they give it the source's place) and
+# pointing a tensor at other storage.
+_COPIES = {_aten.copy_.default, _aten._copy_from.default, _aten._copy_from_and_resize.default}
+_CROSS_DEVICE = {_aten._local_scalar_dense.default, _aten.set_.source_Storage,
+                 _aten.set_.source_Storage_storage_offset, _aten.set_.source_Tensor}
+_INDEXING = {_aten.index.Tensor, _aten.index_put_.default, _aten.index_put.default,
+             _aten._index_put_impl_.default, _aten._unsafe_index.Tensor, _aten._unsafe_index_put.default}
+_NOT_CHECKED_COLLECTIVES = {"barrier", "monitored_barrier"}
+
+
+def _group_name(script_object) -> str | None:
+    try:
+        return dist.ProcessGroup.unbox(script_object).group_name
+    except RuntimeError:  # a ReduceOp or another custom class
+        return None
+
+
+_inplace: dict = {}
+
+
+def _is_inplace(func) -> bool:
+    """Whether the op writes its first argument."""
+    known = _inplace.get(func)
+    if known is None:
+        args = func._schema.arguments
+        known = _inplace[func] = bool(args) and args[0].alias_info is not None and args[0].alias_info.is_write
+    return known
+
+
+class DeviceCheckMode(TorchDispatchMode):
+    """Refuses ops that mix device and host tensors, and host tensors in collectives of NCCL groups."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace == "c10d":
+            self._check_collective(func, args)
+            return func(*args, **kwargs)
+        if func in _COPIES:
+            if place(args[0]) is None and isinstance(args[1], torch.Tensor) and place(args[1]) is not None:
+                _set(args[0], place(args[1]))
+            return func(*args, **kwargs)
+        if func in _CROSS_DEVICE:
+            return func(*args, **kwargs)
+        tensors = list(_tensors(args)) + list(_tensors(kwargs.values()))
+        if not tensors:
+            return func(*args, **kwargs)
+        places = [place(t) for t in tensors]
+        on_device = DEVICE in places
+        if on_device and HOST in places:
+            self._check_mix(func, args, tensors, places)
+        out = func(*args, **kwargs)
+        if on_device:
+            for t in _tensors(out if isinstance(out, (list, tuple)) else (out,)):
+                _set(t, DEVICE)
+            if _is_inplace(func):  # unknown tensors written with device data are device memory
+                for t in _tensors(args[:1]):
+                    if place(t) is None:
+                        _set(t, DEVICE)
+        elif HOST in places:
+            for t in _tensors(out if isinstance(out, (list, tuple)) else (out,)):
+                if place(t) is None:
+                    _set(t, HOST)
+        return out
+
+    @staticmethod
+    def _check_mix(func, args, tensors, places):
+        if func in _INDEXING and place(args[0]) is DEVICE:  # CUDA takes host index tensors; the rest: device
+            index_ids = {id(t) for t in _tensors(args[1:2])}
+            tensors, places = zip(*[(t, p) for t, p in zip(tensors, places) if id(t) not in index_ids])
+        mixed = [t for t, p in zip(tensors, places) if p is HOST and (t.dim() > 0 or _is_first_written(func, t, args))]
+        if DEVICE in places and mixed:
+            device = next(t for t, p in zip(tensors, places) if p is DEVICE)
+            raise DeviceMixError(
+                f"Expected all tensors to be on the same device, but found at least two devices, {local_device()} "
+                f"and cpu! ({func}: {_describe(device, 'device')} with {_describe(mixed[0], 'host')}; "
+                "device-faithful CPU mode: move the host tensor with .to(device) or make it on the device)")
+
+    @staticmethod
+    def _check_collective(func, args):
+        if func._opname in _NOT_CHECKED_COLLECTIVES:  # no data: NCCL's barrier makes its own device tensor
+            return
+        groups = [g for g in (_group_name(a) for a in args if isinstance(a, torch.ScriptObject)) if g is not None]
+        if not groups or groups[0] in _host_groups:
+            return
+        host = [t for t in _tensors(args) if place(t) is HOST]
+        if host:
+            raise DeviceMixError(
+                f"NCCL error: {func} on process group {groups[0]!r} got a {_describe(host[0], 'host')}; NCCL "
+                "communicates device memory only (device-faithful CPU mode: this group runs NCCL on GPUs; put "
+                "the tensor on the rank's device, or use a gloo group for host tensors)")
+
+
+def _is_first_written(func, t, args) -> bool:
+    """A 0-dim host tensor may be read by a CUDA op, not written by one."""
+    return _is_inplace(func) and any(w is t for w in _tensors(args[:1]))
+
+
+# -- installing ------------------------------------------------------------------------------------------
+
+
+def _record_new_group(new_group):
+    def wrapped(*args, **kwargs):
+        group = new_group(*args, **kwargs)
+        backend = kwargs.get("backend", args[2] if len(args) > 2 else None)
+        if group not in (None, dist.GroupMember.NON_GROUP_MEMBER) and backend is not None and "gloo" in str(backend):
+            _host_groups.add(group.group_name)
+        return group
+    return wrapped
+
+
+def _object_coll_device(original):
+    def device_for(group=None):
+        group = group or dist.distributed_c10d._get_default_group()
+        return "cpu" if group.group_name in _host_groups else "cuda"
+    return device_for
+
+
+class _DeviceGenerator(torch.Generator):
+    """torch.Generator(device="cuda") for the CPU: a host generator (the tensors it fills are host memory)."""
+
+    def __new__(cls, device="cpu"):
+        return super().__new__(cls, "cpu" if is_cuda_device(device) else device)
+
+
+class DeviceFaithful:
+    """Installs the modes and patches on enter; restores everything on exit."""
+
+    def __init__(self, local_rank: int = 0):
+        self._saved: list[tuple[object, str, object]] = []
+        self._modes: list = []
+        self.local_rank = local_rank
+
+    def _patch(self, owner, name: str, value) -> None:
+        self._saved.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, value)
+
+    def __enter__(self) -> DeviceFaithful:
+        _local[0] = self.local_rank
+        c10d = dist.distributed_c10d
+        self._patch(dist, "new_group", _record_new_group(dist.new_group))
+        self._patch(c10d, "new_group", dist.new_group)
+        self._patch(c10d, "_get_object_coll_device", _object_coll_device(c10d._get_object_coll_device))
+        self._patch(torch, "Generator", _DeviceGenerator)
+        self._patch(torch.cuda, "current_device", lambda: local_device().index)
+        self._modes = [FaithfulFunctionMode(), DeviceCheckMode()]
+        for mode in self._modes:
+            mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for mode in reversed(self._modes):
+            mode.__exit__(*exc)
+        self._modes = []
+        while self._saved:
+            owner, name, value = self._saved.pop()
+            setattr(owner, name, value)

@@ -1,0 +1,100 @@
+"""Core attention for megatron-core's local layer spec on torch's fused scaled_dot_product_attention.
+
+Without Transformer Engine the local spec attends with megatron's `DotProductAttention`, which
+materialises the [b, heads/TP, sq, sk] scores and probabilities (about 14 GB per layer at 22.5k
+tokens). `SdpaAttention` is a drop-in replacement (same constructor and forward) that hands the
+work to `torch.nn.functional.scaled_dot_product_attention`, whose flash / memory-efficient kernels
+(GPU) and flash kernel (CPU) never hold the full score matrix, and which groups query heads onto
+their KV heads (GQA) without copying the keys and values.
+
+It covers what this project runs: causal self-attention (sq == sk), decoding against megatron's
+static KV cache (sq == 1, no mask), and an explicit boolean mask (True where attention is NOT
+allowed, megatron's convention). Anything else raises instead of computing something different.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch.nn.functional as F
+from torch import Tensor
+
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.utils import is_layer_window_attention
+
+_MASK_TYPES = (AttnMaskType.causal, AttnMaskType.padding, AttnMaskType.no_mask)
+
+
+class SdpaAttention(MegatronModule):
+    """Drop-in for megatron-core's local DotProductAttention: query [sq, b, np, hn] and key / value
+    [sk, b, ng, hn] of this TP partition in, context [sq, b, np * hn] out."""
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: Optional[float] = None,
+        softmax_scale: Optional[float] = None,
+        cp_comm_type: Optional[str] = None,
+        pg_collection: Optional[ProcessGroupCollection] = None,
+    ):
+        super().__init__(config=config)
+        dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        refusals = [
+            (config.context_parallel_size != 1, "context parallelism (use Transformer Engine)"),
+            (dropout > 0, f"attention dropout {dropout} (the transformer config sets attention_dropout=0.0)"),
+            (config.softmax_type != "vanilla", f"softmax_type={config.softmax_type!r}"),
+            (is_layer_window_attention(config.window_size, config.window_attn_skip_freq, layer_number),
+             "sliding-window attention"),
+            (attn_mask_type not in _MASK_TYPES, f"attn_mask_type={attn_mask_type}"),
+        ]
+        for refused, what in refusals:
+            if refused:
+                raise ValueError(f"SdpaAttention (layer {layer_number}) does not support {what}")
+        self.layer_number = max(1, layer_number)
+        self.attn_mask_type = attn_mask_type
+        # None: SDPA's own 1/sqrt(hn). apply_query_key_layer_scaling divides the scale by the layer number
+        # and multiplies it back in the softmax (an fp16 overflow guard), so it leaves the result unchanged.
+        self.softmax_scale = softmax_scale
+
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attention_mask: Optional[Tensor],
+        attn_mask_type: Optional[AttnMaskType] = None,
+        attention_bias: Optional[Tensor] = None,
+        packed_seq_params: Optional[PackedSeqParams] = None,
+    ) -> Tensor:
+        if packed_seq_params is not None:
+            raise ValueError("SdpaAttention does not support packed sequences (packed_seq_params); use Transformer "
+                             "Engine, or right-padded micro-batches")
+        if attention_bias is not None:
+            raise ValueError("SdpaAttention does not support an attention_bias")
+        sq, sk = query.size(0), key.size(0)
+        # The masking follows the local DotProductAttention, which ignores the forward's attn_mask_type
+        # and uses the module's own: a mask that is passed replaces the causal one; without one, causal
+        # self-attention masks the future, and a single query (decoding against a KV cache) sees every key.
+        mask, causal = None, False
+        if attention_mask is not None:
+            # megatron: True = masked out; SDPA: True = may attend. A query row masked entirely (padding)
+            # comes out 0 on CPU, where megatron's -10000 fill averages all values: both are garbage rows.
+            mask = ~attention_mask
+        elif self.attn_mask_type == AttnMaskType.causal and sq > 1:
+            if sq != sk:  # SDPA aligns a non-square causal mask top-left; megatron's local path refuses it too
+                raise ValueError(f"SdpaAttention: causal attention needs as many queries as keys or a single "
+                                 f"query (decoding), got {sq} queries and {sk} keys without an attention_mask")
+            causal = True
+        # [s, b, heads, hn] -> [b, heads, s, hn]: views; the kernels need only the last dimension contiguous.
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        context = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=self.softmax_scale,
+                                                 enable_gqa=q.size(1) != k.size(1))
+        # [b, np, sq, hn] -> [sq, b, np * hn]
+        return context.permute(2, 0, 1, 3).reshape(sq, query.size(1), -1)

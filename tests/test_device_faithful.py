@@ -1,0 +1,109 @@
+"""The device-faithful CPU mode fails where a GPU would, and lets through what a GPU runs."""
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_dapo.cpu_compat import CpuCompat
+from megatron_dapo.device_faithful import DeviceMixError
+from megatron_dapo.runtime import free_port
+
+
+@pytest.fixture
+def faithful():
+    with CpuCompat(faithful=True, local_rank=1):
+        yield
+
+
+@pytest.fixture
+def world(faithful):
+    """A one-process world: its default group runs NCCL on GPUs, `host` is a gloo group."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        yield dist.new_group([0], backend="gloo")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_tensors_say_where_a_gpu_run_keeps_them(faithful):
+    dev = torch.zeros(3, device="cuda")
+    assert dev.device == torch.device("cuda", 1) and dev.is_cuda and dev.get_device() == 1
+    assert torch.ones(2).device.type == "cpu" and not torch.ones(2).is_cuda
+    assert torch.empty(2, device=dev.device).is_cuda  # devices derived from tensors follow them
+    assert torch.empty(2, device=torch.cuda.current_device()).is_cuda
+    assert (dev + 1).is_cuda and dev[1:].is_cuda and dev.double().is_cuda and torch.zeros_like(dev).is_cuda
+    assert dev.type() == "torch.cuda.FloatTensor" and torch.zeros(1).type() == "torch.FloatTensor"
+
+
+def test_moves_copy_between_host_and_device(faithful):
+    host = torch.arange(4.0)
+    moved = host.cuda()
+    assert moved.is_cuda and moved is not host and not host.is_cuda
+    assert host.to("cuda").is_cuda and host.to(0).is_cuda and host.to(device="cuda:0", dtype=torch.float64).is_cuda
+    assert not moved.cpu().is_cuda and not moved.to("cpu").is_cuda and moved.cuda() is moved
+    assert host.to(moved).is_cuda and host.type_as(moved).is_cuda and not moved.to(host).is_cuda
+    assert np.array_equal(moved.cpu().numpy(), host.numpy())
+
+
+def test_mixing_host_and_device_tensors_raises_as_cuda_does(faithful):
+    dev, host = torch.zeros(3, device="cuda"), torch.ones(3)
+    with pytest.raises(DeviceMixError, match="Expected all tensors to be on the same device"):
+        dev - host
+    with pytest.raises(DeviceMixError):
+        torch.where(host > 0, dev, 0.0)
+    with pytest.raises(DeviceMixError):
+        torch.maximum(torch.zeros(1), dev.max().reshape(1))
+    with pytest.raises(DeviceMixError):
+        host.add_(dev)
+    with pytest.raises(DeviceMixError):
+        torch.zeros((), dtype=torch.float32).add_(dev.sum())  # a host scalar may be read, not written
+    with pytest.raises(DeviceMixError):
+        torch.cat([dev, host])
+    with pytest.raises(DeviceMixError):
+        host[torch.tensor([0, 1], device="cuda")]
+    with pytest.raises(TypeError, match="can't convert cuda"):
+        dev.numpy()
+
+
+def test_what_cuda_allows_passes(faithful):
+    dev = torch.arange(6.0, device="cuda").requires_grad_()
+    assert (dev * torch.tensor(2.0)).is_cuda  # 0-dim host tensors are CPU scalars
+    assert dev[torch.tensor([0, 2])].is_cuda  # host index tensors
+    out = torch.empty(3)
+    out.copy_(dev[:3])  # copies cross
+    assert not out.is_cuda
+    (dev.softmax(0) * torch.arange(6.0).cuda()).sum().backward()  # autograd's own tensors follow
+    assert dev.grad.is_cuda
+    assert torch.tensor([dev.sum(), dev.max()]).device.type == "cpu"  # torch.tensor reads the values
+    g = torch.Generator(device="cuda").manual_seed(0)
+    assert torch.empty(4, device="cuda").exponential_(generator=g).is_cuda
+
+
+def test_collectives_of_nccl_groups_refuse_host_tensors(world):
+    host_group = world
+    dev = torch.ones(2, device="cuda")
+    dist.all_reduce(dev)
+    with pytest.raises(DeviceMixError, match="NCCL error.*host tensor"):
+        dist.all_reduce(torch.ones(2))
+    with pytest.raises(DeviceMixError, match="NCCL"):
+        dist.broadcast(torch.empty(2), src=0)
+    dist.all_reduce(torch.ones(2), group=host_group)  # gloo groups (megatron's *_gloo) take host tensors
+    box = [{"a": 1}]
+    dist.broadcast_object_list(box, src=0)  # object collectives pick the group's device themselves
+    gathered = [None]
+    dist.all_gather_object(gathered, "x")
+    assert box == [{"a": 1}] and gathered == ["x"]
+    dist.barrier()
+
+
+def test_off_unless_asked(monkeypatch):
+    from megatron_dapo import cpu_compat
+
+    monkeypatch.delenv("MEGATRON_DAPO_DEVICE_FAITHFUL", raising=False)
+    cpu_compat.activate()
+    try:
+        assert not cpu_compat.is_faithful()
+        torch.zeros(3, device="cuda") - torch.ones(3)  # the plain CPU redirects
+    finally:
+        cpu_compat.deactivate()

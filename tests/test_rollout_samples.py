@@ -1,0 +1,33 @@
+"""A kept batch's responses -> training samples on the rank's device (old log-probs on every pipeline stage,
+truncated-IS weights, the KL reference), and the mismatch metrics reduced over the world, under torchrun."""
+
+import json
+
+import pytest
+from torchrun_launch import torchrun
+
+pytestmark = pytest.mark.slow
+LAYOUTS = ["tp1-pp2", "tp2-pp1"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("rollout_samples")
+    torchrun("rollout_samples_worker.py", 2, str(out), "1,2", "2,1")
+    return {name: json.loads((out / f"{name}.json").read_text()) for name in LAYOUTS}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_samples_live_on_the_device_with_the_policys_logprobs(runs, layout):
+    r = runs[layout]
+    assert r["on_device"]
+    assert r["old_logp_err"] < 1e-4 and r["ref_logp_err"] < 1e-4
+    assert r["loss_mask_dtype"] == "torch.float32" and r["left_out_masked"]  # TIS weights; overlong-filtered
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_mismatch_metrics_count_every_loss_token_once(runs, layout):
+    got, want = runs[layout]["metrics"], runs[layout]["expected"]
+    assert got["tokens"] == want["tokens"] and got["tis_capped"] == want["tis_capped"]
+    for key in ("entropy_sum", "mismatch_k3_sum", "mismatch_abs_sum", "tis_weight_sum", "abs_max"):
+        assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), key
