@@ -36,6 +36,8 @@ test: setup
 bench: setup
 	$(PY) bench/bench_dapo_loss.py
 
-# On a machine with a GPU: the CUDA tests and the CUDA section of the benchmark, in a few minutes.
+# On a machine with a GPU, with the .venv: every GPU check in one call (tests/gpu/run.sh: build in place, CUDA
+# tests, op benchmark, bf16 policy vs transformers, a short DAPO run; table in tests/gpu/results/gpu_check.md).
+# On a bare GPU machine without the .venv: `bash tests/gpu/run.sh` after carrying tests/gpu/wheels.
 test-gpu: setup
-	bash tests/gpu/run.sh
+	PY=$(PY) bash tests/gpu/run.sh

@@ -1,5 +1,9 @@
-"""The Megatron policy on one GPU (NCCL, bf16, Transformer Engine layers when installed) against transformers."""
+"""The Megatron policy on one GPU (NCCL, bf16, Transformer Engine layers when installed) against transformers.
 
+Its bf16 log-probs are held to transformers' fp32 ones of the same model within a few times the error of
+transformers' own bf16 run (with a floor); `-s` shows the figures (tests/gpu/run.sh puts them in its table)."""
+
+import copy
 import sys
 from pathlib import Path
 
@@ -9,6 +13,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).parents[1] / "distributed"))
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+
+# The policy's bf16 log-probs may be off transformers' fp32 ones by BF16_FACTOR x what transformers' own bf16
+# run is off (about 3e-3 for this model), and by BF16_FLOOR in any case.
+BF16_FACTOR, BF16_FLOOR = 4.0, 0.02
 
 
 @pytest.fixture(scope="module")
@@ -37,13 +45,30 @@ def test_bf16_logprobs_and_a_training_step(runtime):
     trainer = PolicyTrainer(spec, runtime.parallel, runtime.device, OptimConfig(lr=1e-3, warmup_steps=0),
                             LossConfig(), max_tokens_per_micro_batch=130)
     load_hf_weights(trainer.module, hf.state_dict().__getitem__, spec, runtime.parallel)
+    assert trainer.module.config.params_dtype == torch.bfloat16
     seqs = sequences()
     ref = hf_response_logprobs(hf, seqs)
+    hf_bf16 = hf_cuda_logprobs(copy.deepcopy(hf).to(runtime.device, torch.bfloat16), seqs, runtime.device)
     out = response_logprobs(trainer.module, seqs, vocab_size=spec.vocab_size, max_positions=96,
                             max_tokens_per_micro_batch=130, device=runtime.device)
     worst = max((o[0].double().cpu() - r[0]).abs().max().item() for o, r in zip(out, ref))
-    assert worst < 0.1, f"bf16 log-probs off by {worst}"
+    hf_worst = max((h - r[0]).abs().max().item() for h, r in zip(hf_bf16, ref))
+    bound = max(BF16_FLOOR, BF16_FACTOR * hf_worst)
+    print(f"\nfigures: bf16 max |logp - transformers fp32| {worst:.2g} (transformers bf16: {hf_worst:.2g}; "
+          f"bound {bound:.2g})")
+    assert worst < bound, f"bf16 log-probs off by {worst}; transformers' own bf16 run is off by {hf_worst}"
     samples = [RolloutSample(s, o[0].float().cpu(), torch.full((s.response_len,), 1.0 if i % 2 else -1.0),
                              torch.ones(s.response_len, dtype=torch.bool)) for i, (s, o) in enumerate(zip(seqs, out))]
     losses = [trainer.step(samples).loss for _ in range(4)]
+    print(f"figures: loss over 4 bf16 steps {losses[0]:.4g} -> {losses[-1]:.4g}")
     assert losses[-1] < losses[0], losses
+
+
+@torch.no_grad()
+def hf_cuda_logprobs(model, seqs, device):
+    """transformers' response-token log-probs (fp64, on the host) from `model` as it is (dtype, device)."""
+    out = []
+    for s in seqs:
+        logp = torch.log_softmax(model(s.tokens[None].to(device)).logits[0].double(), dim=-1)
+        out.append(logp[s.prompt_len - 1:-1].gather(1, s.tokens[s.prompt_len:, None].to(device)).squeeze(1).cpu())
+    return out
