@@ -1,10 +1,16 @@
-"""The `megatron-dapo` command: train, demo, convert."""
+"""The `megatron-dapo` command: train, preflight, demo, convert."""
 
 from __future__ import annotations
 
 import argparse
 import logging
 import sys
+
+from megatron_dapo.run_logging import setup_run_logging
+
+log = logging.getLogger("megatron_dapo.cli")  # not __name__: "__main__" under python -m would not count as ours
+VERBOSE_HELP = ("print every library's log records and warnings too (by default they go only to {log}; "
+                "the console shows this program's progress, warnings and errors)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -13,9 +19,22 @@ def main(argv: list[str] | None = None) -> int:
     train = commands.add_parser("train", help="run DAPO from a YAML config (under torchrun or srun for several ranks)")
     train.add_argument("config", help="the run's YAML config (see launch/configs/)")
     train.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. optim.lr=2e-6")
+    train.add_argument("--verbose", action="store_true", help=VERBOSE_HELP.format(log="train.output_dir/train.log"))
+    from megatron_dapo.preflight import Hardware
+
+    preflight = commands.add_parser("preflight", help="check a config against its model's config.json and the "
+                                    "hardware, and print memory and time estimates, before any GPU hour is spent")
+    preflight.add_argument("config", help="the run's YAML config (see launch/configs/)")
+    preflight.add_argument("overrides", nargs="*", help="section.key=value overrides, as for train")
+    preflight.add_argument("--gpu-memory-gb", type=float, default=Hardware.gpu_memory_gb, help="memory of one GPU")
+    preflight.add_argument("--gpu-bandwidth-tbs", type=float, default=Hardware.gpu_bandwidth_tbs,
+                           help="memory bandwidth of one GPU (default: H100 SXM's)")
+    preflight.add_argument("--gpus", type=int, default=None,
+                           help="trainer GPUs (processes); default: what the config implies, printed")
     demo = commands.add_parser("demo", help="a tiny model learns arithmetic with DAPO on this CPU, in minutes")
     demo.add_argument("--output", default="runs/demo", help="folder for the data, models, metrics and plot")
     demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--verbose", action="store_true", help=VERBOSE_HELP.format(log="OUTPUT/demo.log"))
     convert = commands.add_parser("convert", help="convert checkpoints between Hugging Face and megatron-core")
     from megatron_dapo.checkpoint import convert as convert_module
 
@@ -27,20 +46,48 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "train":
         from megatron_dapo.config import ConfigError
         from megatron_dapo.run_config import load_config
+        from megatron_dapo.runtime import launch_env
         from megatron_dapo.trainer import run_training
 
         try:
             cfg = load_config(args.config, args.overrides)
+            env = launch_env()  # the trainer's world size and this rank, as run_training will see them
+            _preflight(cfg, Hardware(gpus=env.world_size), show=env.rank == 0)
         except ConfigError as e:
             print(f"megatron-dapo train: bad config: {e}", file=sys.stderr)
             return 2
+        log_file = setup_run_logging(cfg.train.output_dir, "train", verbose=args.verbose, rank=env.rank)
+        log.info("full log (libraries and warnings included): %s", log_file)
         return run_training(cfg)
+    if args.command == "preflight":
+        from megatron_dapo.config import ConfigError
+        from megatron_dapo.run_config import load_config
+
+        try:
+            cfg = load_config(args.config, args.overrides)
+            _preflight(cfg, Hardware(args.gpu_memory_gb, args.gpu_bandwidth_tbs, args.gpus), show=True)
+        except ConfigError as e:
+            print(f"megatron-dapo preflight: bad config: {e}", file=sys.stderr)
+            return 2
+        return 0
     if args.command == "demo":
         from megatron_dapo.demo import run_demo
 
-        return run_demo(args.output, seed=args.seed)
+        log_file = setup_run_logging(args.output, "demo", verbose=args.verbose, append=False)
+        log.info("full log (libraries and warnings included): %s", log_file)
+        return run_demo(args.output, seed=args.seed, log_file=log_file)
     parser.error(f"unknown command {args.command!r}")
     return 2
+
+
+def _preflight(cfg, hardware, show: bool) -> None:
+    """Print the estimates and checks (when `show`); raise the first failed check as a ConfigError."""
+    from megatron_dapo.preflight import preflight
+
+    report = preflight(cfg, hardware)
+    if show:
+        print(report.render(), flush=True)
+    report.raise_first_failure()
 
 
 if __name__ == "__main__":

@@ -55,7 +55,8 @@ def _prepare(out: Path, seed: int):
     return pairs
 
 
-def run_demo(output_dir: str = "runs/demo", seed: int = 0) -> int:
+def run_demo(output_dir: str = "runs/demo", seed: int = 0, log_file: Path | None = None) -> int:
+    """Run the demo in `output_dir`; `log_file`: where the entry point sends the full log (named in the report)."""
     from megatron_dapo.run_config import load_config
     from megatron_dapo.runtime import free_port
     from megatron_dapo.trainer import DapoTrainer
@@ -74,7 +75,8 @@ def run_demo(output_dir: str = "runs/demo", seed: int = 0) -> int:
 
     # The run's config goes beside it: `megatron-dapo train OUT/dapo.yaml` repeats the DAPO phase alone.
     data = {**DAPO, "model": {"path": str(out / "warm"), "max_tokens_per_micro_batch": 4096},
-            "data": {"train_path": str(out / "train.jsonl"), "eval_path": str(out / "eval.jsonl"), "seed": seed},
+            "data": {"train_path": str(out / "train.jsonl"), "eval_path": str(out / "eval.jsonl"), "seed": seed,
+                     "max_prompt_len": 32},
             "train": {**DAPO["train"], "output_dir": str(out / "dapo")}}
     (out / "dapo.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
     cfg = load_config(out / "dapo.yaml")
@@ -93,10 +95,11 @@ def run_demo(output_dir: str = "runs/demo", seed: int = 0) -> int:
         times["evaluation after"] = time.perf_counter() - t
     finally:
         trainer.close()
-    return _report(out, cfg, before, after, last, times, time.perf_counter() - start)
+    return _report(out, cfg, before, after, last, times, time.perf_counter() - start, log_file)
 
 
-def _report(out: Path, cfg, before: dict, after: dict, last: dict, times: dict, wall: float) -> int:
+def _report(out: Path, cfg, before: dict, after: dict, last: dict, times: dict, wall: float,
+            log_file: Path | None = None) -> int:
     from megatron_dapo.metrics_plot import plot_metrics
 
     key = next(iter(before))
@@ -114,6 +117,8 @@ def _report(out: Path, cfg, before: dict, after: dict, last: dict, times: dict, 
     breakdown = {k[len("time/"):]: v for k, v in last.items() if k.startswith("time/")}
     print("last DAPO step: " + ", ".join(f"{k} {v:.2f} s" for k, v in breakdown.items()))
     print(f"curves: {png}\nmetrics: {out / 'dapo' / 'metrics.jsonl'}")
+    if log_file is not None:
+        print(f"full log: {log_file}")
     return 0
 
 
