@@ -91,13 +91,19 @@ def _alive(pid: int) -> bool:
 
 
 def _kill(pid: int) -> None:
-    """SIGKILL a worker and wait until it has exited (a zombie until the pool reaps it)."""
+    """SIGKILL a worker and wait until it has exited (a zombie until the pool reaps it) with all its threads: a
+    zombie leader whose other threads are still tearing down holds its sockets open, and takes a sample."""
     os.kill(pid, signal.SIGKILL)
     for _ in range(1000):
-        if not _alive(pid) or open(f"/proc/{pid}/stat").read().split(")")[-1].split()[0] == "Z":
+        if not _alive(pid) or _exited_all_threads(pid):
             return
         time.sleep(0.01)
     raise AssertionError(f"worker {pid} survived SIGKILL")
+
+
+def _exited_all_threads(pid: int) -> bool:
+    status = dict(line.split(":", 1) for line in open(f"/proc/{pid}/status").read().splitlines() if ":" in line)
+    return status["State"].split()[0] == "Z" and status["Threads"].strip() == "1"
 
 
 @pytest.fixture(scope="module")
