@@ -69,6 +69,7 @@ class ParallelConfig:
 @dataclass(frozen=True)
 class OptimConfig:
     lr: float = 1e-6
+    # Linear warmup over this many *rollout* steps (the paper's 20), of train.updates_per_step updates each.
     warmup_steps: int = 20
     weight_decay: float = 0.1
     adam_beta1: float = 0.9
@@ -84,9 +85,12 @@ class OptimConfig:
         _require(0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1, "optim.adam_beta1/adam_beta2",
                  f"must be in [0, 1), got {self.adam_beta1}, {self.adam_beta2}")
 
-    def lr_at(self, step: int) -> float:
-        """Linear warmup over warmup_steps, then constant; `step` counts optimizer steps from 0."""
-        return self.lr * min(1.0, (step + 1) / self.warmup_steps) if self.warmup_steps else self.lr
+    def lr_at(self, update: int, updates_per_step: int = 1) -> float:
+        """Linear warmup over warmup_steps rollout steps of `updates_per_step` optimizer updates each, then
+        constant; `update` counts optimizer updates from 0 (rollout step s starts at s * updates_per_step)."""
+        if not self.warmup_steps:
+            return self.lr
+        return self.lr * min(1.0, (update + 1) / (self.warmup_steps * updates_per_step))
 
 
 @dataclass(frozen=True)
@@ -184,7 +188,19 @@ class RolloutConfig:
     def __post_init__(self):
         _require(self.engine in ("sglang", "local"), "rollout.engine", f"must be 'sglang' or 'local', got {self.engine!r}")
         _positive(self.temperature, "rollout.temperature")
+        # The trainer's log-probs are those of softmax(logits / temperature) over the whole vocabulary, what the
+        # engines return for a sampled token; two settings would sample from another distribution.
+        _require(self.temperature >= 1e-6, "rollout.temperature",
+                 f"must be >= 1e-6 for training, got {self.temperature}: below it the engines decode greedily (every "
+                 "response of a group the same, so dynamic sampling keeps no group) and return temperature-1 "
+                 "log-probs, not the trainer's")
         _require(0 < self.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {self.top_p}")
+        _require(self.top_p == 1, "rollout.top_p",
+                 f"must be 1.0 for training, got {self.top_p}: with top_p < 1 the engine samples from the "
+                 "renormalised nucleus, while SGLang returns (and the trainer recomputes) log-probs of the whole "
+                 "softmax(logits / rollout.temperature), so the PPO ratio, the truncated-IS weights and the mismatch "
+                 "metrics would describe a distribution other than the one sampled from; set rollout.top_p to 1.0 "
+                 "(evaluation samples at eval.top_p, which may be anything)")
         _whole(self.num_servers, "rollout.num_servers", 1)
         _whole(self.server_tensor_parallel, "rollout.server_tensor_parallel", 1)
         _require(self.server_device in ("cuda", "cpu"), "rollout.server_device",
@@ -219,9 +235,6 @@ class TrainConfig:
     checkpoint_every: int = 10  # 0: only at the end
     keep_last: int = 3
     resume: bool = True  # continue from the latest complete checkpoint in output_dir
-    eval_every: int = 10  # 0: no evaluation
-    eval_samples_per_prompt: int = 4  # k of avg@k
-    eval_max_prompts: int = 256
     tensorboard: bool = True
 
     def __post_init__(self):
@@ -230,6 +243,27 @@ class TrainConfig:
         _require(bool(self.output_dir), "train.output_dir", "must name a folder for checkpoints and metrics")
         _whole(self.checkpoint_every, "train.checkpoint_every", 0)
         _whole(self.keep_last, "train.keep_last", 1)
-        _whole(self.eval_every, "train.eval_every", 0)
-        _whole(self.eval_samples_per_prompt, "train.eval_samples_per_prompt", 1)
-        _whole(self.eval_max_prompts, "train.eval_max_prompts", 1)
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """Held-out evaluation at its own sampling settings; the defaults are the paper's (avg@32 at temperature 1.0,
+    top_p 0.7). Every evaluation draws with the same seed, so its curve follows the weights, not the draw."""
+
+    every: int = 10  # rollout steps between evaluations; 0: none
+    samples_per_prompt: int = 32  # k of avg@k and pass@k
+    max_prompts: int = 256  # the first ones of data.eval_path
+    temperature: float = 1.0
+    top_p: float = 0.7
+    max_response_len: int | None = None  # tokens; null: algorithm.max_response_len
+    seed: int = 0
+
+    def __post_init__(self):
+        _whole(self.every, "eval.every", 0)
+        _whole(self.samples_per_prompt, "eval.samples_per_prompt", 1)
+        _whole(self.max_prompts, "eval.max_prompts", 1)
+        _positive(self.temperature, "eval.temperature")
+        _require(0 < self.top_p <= 1, "eval.top_p", f"must be in (0, 1], got {self.top_p}")
+        if self.max_response_len is not None:
+            _whole(self.max_response_len, "eval.max_response_len", 1)
+        _whole(self.seed, "eval.seed", 0)

@@ -22,6 +22,7 @@ from megatron_dapo.algorithm.config import AlgorithmConfig
 from megatron_dapo.config import (
     ConfigError,
     DataConfig,
+    EvalConfig,
     LossConfig,
     ModelConfig,
     OptimConfig,
@@ -48,6 +49,7 @@ class DapoConfig:
     loss: LossConfig = field(default_factory=LossConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     def __post_init__(self):
         p, r = self.parallel, self.rollout
@@ -90,6 +92,11 @@ def _coerce(value, annotation, key: str):
     return value
 
 
+# Keys that moved to another section: named in the error, not just refused.
+MOVED_KEYS = {"train.eval_every": "eval.every", "train.eval_samples_per_prompt": "eval.samples_per_prompt",
+              "train.eval_max_prompts": "eval.max_prompts"}
+
+
 def _build(cls, data, prefix: str):
     _require(isinstance(data, dict), prefix.rstrip(".") or "config", f"must be a mapping of keys to values, got {data!r}")
     hints = typing.get_type_hints(cls)
@@ -98,6 +105,7 @@ def _build(cls, data, prefix: str):
     for key, value in data.items():
         full = f"{prefix}{key}"
         if key not in names:
+            _require(full not in MOVED_KEYS, full, f"moved to {MOVED_KEYS.get(full)}; write it there")
             close = difflib.get_close_matches(str(key), names, n=1)
             hint = f"did you mean {prefix}{close[0]}?" if close else f"known keys: {', '.join(names)}"
             raise ConfigError(f"{full}: unknown key; {hint}")

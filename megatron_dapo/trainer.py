@@ -74,11 +74,14 @@ class DapoTrainer:
         hf.validate(self.spec)
         self.policy = PolicyTrainer(self.spec, cfg.parallel, self.runtime.device, cfg.optim, cfg.loss,
                                     cfg.model.max_tokens_per_micro_batch,
-                                    activation_recompute=cfg.model.activation_recompute)
+                                    activation_recompute=cfg.model.activation_recompute,
+                                    updates_per_step=cfg.train.updates_per_step,
+                                    temperature=cfg.rollout.temperature)
         load_hf_weights(self.policy.module, hf.get, self.spec, cfg.parallel)
         self.reference = self._frozen_reference(hf) if cfg.loss.kl_coef > 0 else None
         self.output_dir = Path(cfg.train.output_dir)
-        self.step_index = 0  # rollout steps done
+        self.step_index = 0  # rollout steps done; also the version of the weights the engine samples from
+        self.warned_fewer_updates = False
         self.params = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
                                      max_new_tokens=cfg.algorithm.max_response_len)
         self.sampler = None
@@ -100,6 +103,8 @@ class DapoTrainer:
                               if cfg.rollout.colocate else None)
         if resume is not None:
             self.sync_weights()  # the servers start from the initial weights
+        if cfg.rollout.engine == "sglang" and cfg.rollout.server_urls:
+            self._check_server_logprobs()
 
     # -- setup -------------------------------------------------------------------------------------
 
@@ -172,6 +177,22 @@ class DapoTrainer:
                                   master_address=self.runtime.env.master_addr, timeout_s=r.weight_sync_timeout_s,
                                   server_nodes=r.server_nodes, node=self.runtime.env.node)
 
+    def _check_server_logprobs(self) -> None:
+        """Every rank: servers given by URL must return the log-probs the trainer computes, those of
+        softmax(logits / rollout.temperature) (rollout/logprob_check.py); a ConfigError on every rank if not."""
+        from megatron_dapo.policy.forward import logprob_recomputer
+        from megatron_dapo.rollout.logprob_check import check_engine_logprobs
+
+        recompute = logprob_recomputer(self.policy.module, vocab_size=self.spec.vocab_size,
+                                       max_positions=self.spec.max_position_embeddings,
+                                       max_tokens_per_micro_batch=self.cfg.model.max_tokens_per_micro_batch,
+                                       device=self.runtime.device)
+        a = check_engine_logprobs(self.engine if self.driver else None, recompute,
+                                  temperature=self.cfg.rollout.temperature)
+        if self.driver:
+            log.info("rollout.server_urls: log-probs match the policy's at temperature %g (mean |diff| %.2g over %d "
+                     "tokens; %.2g at temperature 1)", a.temperature, a.diff_tempered, a.tokens, a.diff_untempered)
+
     # -- the rollout, on the driver ------------------------------------------------------------------
 
     def _score_group(self, prompt: PromptItem, samples) -> list[bool]:
@@ -200,7 +221,8 @@ class DapoTrainer:
             self.dynamic_sampler.params = dataclasses.replace(
                 self.params, seed=sample_seed(self.cfg.parallel.seed, self.step_index))
             batch = self.dynamic_sampler.collect()
-            metrics = {**batch.metrics.as_dict(), "prompts_too_long": self.prompts.too_long}
+            metrics = {**batch.metrics.as_dict(), "prompts_too_long": self.prompts.too_long,
+                       **_oldest_weight_version(batch)}
             self.signal.post("batch")
             box = [(batch.train_items(), metrics)]
             dist.broadcast_object_list(box, src=0)
@@ -229,25 +251,37 @@ class DapoTrainer:
                 samples, sums, abs_max = training_samples(
                     self.policy.module.eval(), self.reference, share, spec=self.spec,
                     max_tokens_per_micro_batch=self.cfg.model.max_tokens_per_micro_batch, device=self.runtime.device,
-                    tis_cap=self.cfg.loss.tis_cap)
+                    tis_cap=self.cfg.loss.tis_cap, temperature=self.cfg.rollout.temperature)
                 self.policy.module.train()
             with timer("train"):
-                results = [self.policy.step(mini) for mini in split_even(samples, self.cfg.train.updates_per_step)]
+                self.policy.begin_rollout_step(self.step_index)  # the LR warmup counts rollout steps
+                results = [self.policy.step(mini) for mini in self._mini_batches(samples)]
             train_metrics = self._train_metrics(results, sums, abs_max)
         if self.server_memory is not None:
             with timer("resume"):
                 self.server_memory.resume_weights()
+        self.step_index += 1  # the new weights are this step's: the servers get them under its number
         with timer("sync"):
             self.sync_weights()
         if self.server_memory is not None:
             with timer("resume"):
                 self.server_memory.resume_caches()
-        self.step_index += 1
         tokens = sum(len(it.prompt_ids) + len(it.output_ids) for it in items)
         step_s = time.perf_counter() - start
         metrics.update(train_metrics, tokens_per_s=tokens / step_s, **{"time/step": step_s},
                        **{f"time/{k}": v for k, v in timer.seconds.items()})
         return metrics
+
+    def _mini_batches(self, samples: list) -> list[list]:
+        """This rank's share cut into train.updates_per_step mini-batches; fewer (one response each) when the
+        share is smaller, which is said once (all data-parallel shares are the same size)."""
+        wanted = self.cfg.train.updates_per_step
+        if len(samples) < wanted and not self.warned_fewer_updates:
+            self.warned_fewer_updates = True
+            log.warning("step %d: %d responses per data-parallel rank, fewer than train.updates_per_step = %d: %d "
+                        "updates this step (said once); a batch that small trains on little", self.step_index + 1,
+                        len(samples), wanted, len(samples))
+        return split_even(samples, wanted)
 
     def _train_metrics(self, results, sums, abs_max) -> dict[str, float]:
         m = reduce_mismatch(sums, abs_max)
@@ -289,8 +323,8 @@ class DapoTrainer:
     # -- evaluation, checkpoints, the run ------------------------------------------------------------
 
     def evaluate(self) -> dict[str, float]:
-        """Every rank: avg@k accuracy on the held-out prompts (k samples each, the rollout's sampling settings),
-        computed by the driver while the other ranks wait for it outside collectives; {} on those ranks."""
+        """Every rank: avg@k and pass@k on the held-out prompts at the eval section's sampling settings, computed
+        by the driver while the other ranks wait for it outside collectives; {} on those ranks."""
         if not self.driver:
             self.signal.wait()
             return {}
@@ -299,16 +333,20 @@ class DapoTrainer:
         return result
 
     def _evaluate(self) -> dict[str, float]:
-        encoded = [(r, self.prompts.encode(r)) for r in self.eval_rows[: self.cfg.train.eval_max_prompts]]
+        e = self.cfg.eval
+        encoded = [(r, self.prompts.encode(r)) for r in self.eval_rows[: e.max_prompts]]
         rows, prompts = [r for r, ids in encoded if ids is not None], [ids for _, ids in encoded if ids is not None]
         if not rows:
             return {}
-        k = self.cfg.train.eval_samples_per_prompt
-        groups = self.engine.generate(prompts, k, self.params)
+        k = e.samples_per_prompt
+        params = SamplingParams(temperature=e.temperature, top_p=e.top_p, seed=e.seed,
+                                max_new_tokens=e.max_response_len or self.cfg.algorithm.max_response_len)
+        groups = self.engine.generate(prompts, k, params)
         texts = [self.tokenizer.decode(s.output_ids, skip_special_tokens=True) for g in groups for s in g]
-        truths = [r.ground_truth for r, g in zip(rows, groups) for _ in g]
-        verdicts = self.reward_pool.score(texts, truths)
-        return {f"eval_avg@{k}": sum(v.correct for v in verdicts) / len(verdicts)}
+        verdicts = self.reward_pool.score(texts, [r.ground_truth for r, g in zip(rows, groups) for _ in g])
+        right = [[v.correct for v in verdicts[i * k:(i + 1) * k]] for i in range(len(rows))]
+        return {f"eval/avg@{k}": sum(map(sum, right)) / (k * len(rows)),  # the mean accuracy of one sample
+                f"eval/pass@{k}": sum(map(any, right)) / len(rows)}  # a prompt solved by any of its k samples
 
     def save_checkpoint(self) -> None:
         extra = {"step": self.step_index, "sampler": self.sampler.state_dict() if self.driver else None,
@@ -327,7 +365,7 @@ class DapoTrainer:
         bar = tqdm(total=cfg.steps, initial=self.step_index, desc="dapo", disable=not self.driver)
         while self.step_index < cfg.steps:
             metrics = self.step()
-            if cfg.eval_every and self.step_index % cfg.eval_every == 0:
+            if self.cfg.eval.every and self.step_index % self.cfg.eval.every == 0:
                 metrics.update(self.evaluate())
             if self.driver:
                 self.metrics.log(self.step_index, metrics)
@@ -349,6 +387,15 @@ class DapoTrainer:
             self.reward_pool.close()
             self.metrics.close()
         shutdown_runtime()
+
+
+def _oldest_weight_version(batch) -> dict[str, float]:
+    """The oldest weight version (rollout steps the weights had seen) that sampled the batch, when the engine
+    reports ours (servers start with their own name for the initial weights)."""
+    versions = [s.weight_version for g in batch.groups for s in g.samples]
+    if not versions or not all(v.isdigit() for v in versions):
+        return {}
+    return {"weight_version": float(min(map(int, versions)))}
 
 
 def run_training(cfg: DapoConfig) -> int:

@@ -1,8 +1,9 @@
 """The algorithm between rollout and loss: Eq. 13, overlong filtering, group advantages, dynamic sampling.
 
 Dynamic sampling runs against a scripted engine: each prompt's token ids spell its group's outcomes
-(C correct, W wrong, L correct but in the overlong interval, T truncated and wrong), and groups come
-back in reverse prompt order, as a real engine may return them in any order.
+(C correct, W wrong, L correct but in the overlong interval, T truncated and wrong), and a group
+completes when its longest response does: short groups first, ties in reverse prompt order, as a real
+engine returns them in any order. The kept batch must not depend on that order.
 """
 
 import logging
@@ -28,19 +29,28 @@ SAMPLER_LOG = "megatron_dapo.algorithm.dynamic_sampling"
 
 class ScriptedStream:
     def __init__(self, groups):
-        self.pending = groups  # popped from the end: groups complete in reverse prompt order
-        self.handed_out = 0
-        self.pending_at_abort = None
+        # Completion order: by the group's longest response, ties in reverse prompt order.
+        self.pending = sorted(groups, key=lambda g: (max(len(s.output_ids) for s in g), -g[0].prompt_index))
+        self.handed_out = []  # prompt indices, in the order handed out
+        self.aborted = []  # prompt indices cancelled one by one, before they were handed out
+        self.pending_at_abort = None  # groups still pending at the first abort()
 
     def __iter__(self):
         while self.pending:
-            self.handed_out += 1
-            yield self.pending.pop()
+            group = self.pending.pop(0)
+            self.handed_out.append(group[0].prompt_index)
+            yield group
 
-    def abort(self):
-        if self.pending_at_abort is None:
-            self.pending_at_abort = len(self.pending)
-        self.pending.clear()
+    def abort(self, indices=None):
+        if indices is None:
+            if self.pending_at_abort is None:
+                self.pending_at_abort = len(self.pending)
+            self.pending.clear()
+            return
+        indices = set(indices)
+        assert not indices & set(self.handed_out), "cancelled a group that was handed out already"
+        self.aborted += sorted(indices)
+        self.pending = [g for g in self.pending if g[0].prompt_index not in indices]
 
 
 class ScriptedEngine:
@@ -240,16 +250,67 @@ def test_oversampling_draws_more_prompts_per_round():
     assert batch.metrics.groups_kept == 4
 
 
-def test_abort_once_the_batch_is_full():
-    sampler, engine, prompts = make_sampler(["CCWW"], batch_size=2, oversample_factor=3.0)
+# Mixed groups: CCWW (short, 5 tokens), LLWW and LWWW (long, 12). Uniform: CCCC (3), WWWW (5), LLLL (12), TTTT (16).
+
+
+@pytest.mark.parametrize("oversample_factor, asked", [(1.0, [4, 2]), (2.0, [8])])
+def test_the_batch_is_the_first_mixed_groups_in_draw_order(oversample_factor, asked):
+    # Mixed: 0, 2, 4, 5 (then 6, ...); 0 and 4 complete after 2 and 5.
+    sampler, engine, prompts = make_sampler(["LLWW", "CCCC", "CCWW", "TTTT", "LWWW", "CCWW"],
+                                            oversample_factor=oversample_factor)
+    batch = sampler.collect()
+    assert prompts.asked == asked
+    assert [g.prompt.index for g in batch.groups] == [0, 2, 4, 5]
+    assert engine.streams[0].handed_out[:2] != [0, 1]  # groups did complete out of draw order
+
+
+def test_groups_past_the_known_last_needed_one_are_aborted_and_never_kept():
+    sampler, engine, prompts = make_sampler(["LLWW", "CCCC", "CCWW", "CCWW", "LWWW", "TTTT"], batch_size=2,
+                                            oversample_factor=3.0)
     batch = sampler.collect()
     (stream,) = engine.streams
     assert prompts.asked == [6]
-    assert stream.handed_out == 2 and stream.pending_at_abort == 4
-    # Groups complete in reverse prompt order, and the first two to complete are the ones kept.
-    assert [g.prompt.index for g in batch.groups] == [5, 4]
-    assert (batch.metrics.groups_generated, batch.metrics.samples_generated) == (2, 8)
-    assert batch.metrics.samples_per_kept_sample == 1.0
+    # 1, 3, 2 complete first: with 2 and 3 mixed, the second mixed group is at 3 at the latest, so 4 and 5
+    # are aborted while 0 is still generating; 0 then makes 2 the last one needed, and 3 is left out.
+    assert [g.prompt.index for g in batch.groups] == [0, 2]
+    assert stream.handed_out == [1, 3, 2, 0] and stream.aborted == [4, 5]
+    m = batch.metrics
+    assert (m.groups_generated, m.groups_aborted, m.groups_settled, m.groups_kept) == (4, 2, 3, 2)
+    assert (m.groups_all_correct, m.groups_all_wrong, m.samples_generated) == (1, 0, 16)
+    assert m.samples_per_kept_sample == 2.0 and m.filter_rate == pytest.approx(1 / 3)
+    assert m.response_len_mean == pytest.approx((12 + 12 + 5 + 5 + 4 * 3 + 3 + 3 + 5 + 5) / 12)  # settled: 0, 1, 2
+
+
+def test_abort_once_the_batch_is_full():
+    sampler, engine, _ = make_sampler(["LLWW", "CCCC", "TTTT"], batch_size=1, oversample_factor=3.0)
+    batch = sampler.collect()
+    (stream,) = engine.streams
+    assert [g.prompt.index for g in batch.groups] == [0]
+    assert stream.handed_out == [1, 0] and stream.aborted == [] and stream.pending_at_abort == 1
+    assert (batch.metrics.groups_generated, batch.metrics.groups_aborted, batch.metrics.samples_generated) == (2, 1, 8)
+    assert batch.metrics.samples_per_kept_sample == 2.0
+
+
+def test_a_batch_filled_in_round_two_continues_the_draw_order():
+    # Round 1 (0-7) has two mixed groups, round 2 (8-11) three: the first two of them in draw order are kept.
+    sampler, _, prompts = make_sampler(["LLWW", "CCCC", "TTTT", "WWWW", "CCWW", "CCCC", "LLLL", "WWWW",
+                                        "LWWW", "CCCC", "CCWW", "CCWW"], oversample_factor=2.0)
+    batch = sampler.collect()
+    assert prompts.asked == [8, 4] and batch.metrics.rounds == 2
+    assert [g.prompt.index for g in batch.groups] == [0, 4, 8, 10]
+
+
+def test_the_round_cap_and_data_parallel_trimming_keep_the_first_groups_in_draw_order(caplog):
+    # Round 1 (0-5): mixed 0 (long), 2, 4 (long); round 2 (6, 7): none. 3 kept, trimmed to 2 for dp_size 2.
+    sampler, _, prompts = make_sampler(["LLWW", "CCCC", "CCWW", "TTTT", "LWWW", "WWWW"], then="CCCC",
+                                       oversample_factor=1.5, max_sampling_rounds=2, dp_size=2)
+    with caplog.at_level(logging.WARNING, logger=SAMPLER_LOG):
+        batch = sampler.collect()
+    assert prompts.asked == [6, 2]
+    assert [g.prompt.index for g in batch.groups] == [0, 2]
+    m = batch.metrics
+    assert m.round_cap_hit and (m.groups_kept, m.groups_trimmed, m.groups_settled, m.groups_aborted) == (2, 1, 8, 0)
+    assert "kept 3 of 4 groups after 2 rounds" in caplog.text and "left out 1 of 3" in caplog.text
 
 
 def test_too_easy_data_warns_and_reports_an_empty_batch(caplog):

@@ -54,7 +54,7 @@ def as_sequences(ps, samples):
     return [Sequence(torch.tensor(ps[s.prompt_index] + s.output_ids), len(ps[s.prompt_index])) for s in samples]
 
 
-def recomputed_logprobs(policy, ps, samples, model=None):
+def recomputed_logprobs(policy, ps, samples, model=None, temperature=1.0):
     from megatron_dapo.policy.forward import response_logprobs
 
     _, spec, runtime, _ = policy
@@ -62,7 +62,7 @@ def recomputed_logprobs(policy, ps, samples, model=None):
     seqs = as_sequences(ps, samples)
     model.eval()
     out = response_logprobs(model, seqs, vocab_size=spec.vocab_size, max_positions=spec.max_position_embeddings,
-                            max_tokens_per_micro_batch=1024, device=runtime.device)
+                            max_tokens_per_micro_batch=1024, device=runtime.device, temperature=temperature)
     model.train()
     return [o[0].cpu() for o in out]
 
@@ -79,13 +79,23 @@ def test_sampled_token_frequencies_follow_the_tempered_top_p_distribution(temper
     freq = torch.bincount(token, minlength=6).double() / rows
     assert (freq - probs).abs().max() < 0.005  # about 5 standard deviations
     assert (freq[probs == 0] == 0).all()
-    assert torch.allclose(logp, torch.log_softmax(logits, dim=0)[token])  # temperature-1 log-prob
+    # SGLang's default: log_softmax(logits / T) of the sampled token, before the top_p cut
+    assert torch.allclose(logp, torch.log_softmax(logits / temperature, dim=0)[token])
 
 
-@pytest.mark.parametrize("temperature,top_p,max_batch_rows", [(1.0, 1.0, 256), (0.7, 0.9, 256), (1.0, 1.0, 8)])
+def test_greedy_returns_the_temperature_one_logprob_as_sglang():
+    logits = torch.tensor([[2.0, 1.5, 1.0, 0.0], [0.0, -1.0, 3.0, 1.0]])
+    token, logp = sample_tokens(logits, SamplingParams(temperature=1e-7), torch.Generator().manual_seed(0))
+    assert token.tolist() == [0, 2]
+    assert torch.equal(logp, torch.log_softmax(logits, dim=-1)[[0, 1], token])
+
+
+@pytest.mark.parametrize("temperature,top_p,max_batch_rows", [(1.0, 1.0, 256), (0.7, 1.0, 256), (0.7, 0.9, 256),
+                                                             (1.0, 1.0, 8)])
 def test_logprobs_equal_the_policy_recomputing_the_samples(policy, temperature, top_p, max_batch_rows):
-    """Temperature-1 log-probs of the sampled tokens, whatever the sampling temperature; rows of different prompt
-    lengths, rows dropped from the KV cache as they stop, and batches of rows smaller than the request."""
+    """The sampled tokens' log-probs at the sampling temperature (before any top_p cut, as SGLang's), what the policy
+    recomputes at that temperature; rows of different prompt lengths, rows dropped from the KV cache as they stop,
+    and batches of rows smaller than the request."""
     ps = prompts()
     engine = make_engine(policy, max_batch_rows=max_batch_rows, eos=list(range(0, VOCAB, 29)))
     groups = engine.generate(ps, 4, SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=24))
@@ -94,9 +104,12 @@ def test_logprobs_equal_the_policy_recomputing_the_samples(policy, temperature, 
     samples = [s for g in groups for s in g]
     assert {s.finish_reason for s in samples} == {"stop", "length"}  # some rows left the batch early
     assert len({tuple(s.output_ids) for s in samples}) > len(ps)
-    for s, ref in zip(samples, recomputed_logprobs(policy, ps, samples)):
+    untempered = recomputed_logprobs(policy, ps, samples)
+    for s, ref in zip(samples, recomputed_logprobs(policy, ps, samples, temperature=temperature)):
         assert len(s.logprobs) == len(s.output_ids) == ref.numel()
         assert (torch.tensor(s.logprobs, dtype=torch.float64) - ref.double()).abs().max() < 1e-5
+    if temperature != 1.0:  # the comparison tells the temperatures apart
+        assert max((torch.tensor(s.logprobs) - ref).abs().max().item() for s, ref in zip(samples, untempered)) > 0.1
 
 
 def test_samples_come_from_the_weights_the_trainer_just_updated(policy):
@@ -144,6 +157,10 @@ def test_low_temperature_decodes_like_transformers_argmax(policy, temperature):
         expected = hf_greedy(hf, p, 20)
         assert [s.output_ids for s in group] == [expected, expected]
         assert all(s.finish_reason == "length" for s in group)
+    if temperature < 1e-6:  # greedy: the temperature-1 log-probs, as SGLang returns for greedy requests
+        samples = [s for g in groups for s in g]
+        for s, ref in zip(samples, recomputed_logprobs(policy, ps, samples)):
+            assert (torch.tensor(s.logprobs, dtype=torch.float64) - ref.double()).abs().max() < 1e-5
 
 
 def test_stop_tokens_eos_and_max_new_tokens(policy):
@@ -206,6 +223,24 @@ def test_stream_hands_out_whole_groups_and_abort_ends_it(policy):
     assert list(untouched) == []
     complete = list(engine.stream(prompts(), 4, SamplingParams(max_new_tokens=30)))
     assert sorted(g[0].prompt_index for g in complete) == list(range(len(PROMPT_LENGTHS)))
+
+
+def test_cancelled_groups_leave_the_batch_and_the_others_are_handed_out(policy):
+    engine = make_engine(policy, max_batch_rows=8)  # two prompts (8 rows) per batch
+    shapes, logits = [], engine._logits
+    engine._logits = lambda tokens, start, context: shapes.append(tuple(tokens.shape)) or logits(tokens, start, context)
+    stream = engine.stream(prompts(), 4, SamplingParams(max_new_tokens=30, ignore_eos=True))
+    stream.abort([3])  # before it started: never decoded, so the batches are [0, 1] and [2, 4]
+    got = []
+    for group in stream:
+        got.append(group)
+        if len(got) == 1:  # prompt 0 (3 tokens) ends before prompt 1 (11 tokens)
+            stream.abort([0, 1])  # 0 was handed out already; 1 is mid-decode
+            after = len(shapes)
+    assert [g[0].prompt_index for g in got] == [0, 2, 4]
+    assert all(len(g) == 4 and all(len(s.output_ids) == 30 for s in g) for g in got)
+    # No more decode steps for prompt 1: the next forward is the prefill of the batch [2, 4] (8 rows, 6 tokens).
+    assert shapes[after] == (8, 6) and shapes[0] == (8, 3)
 
 
 def test_bad_requests_are_refused_by_name(policy):

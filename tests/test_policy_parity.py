@@ -35,9 +35,12 @@ def test_export_from_tp2_pp2_is_bitwise_the_source_checkpoint(parity, kind):
 
 
 def test_vocab_parallel_gradient_matches_full_softmax(parity):
+    """At temperature 1 and 0.7: log-probs, entropies and gradients of softmax(x / T) split over 2 TP ranks."""
     grads = {k: v for k, v in parity.items() if k.startswith("logprob-grad-tp2")}
-    assert len(grads) == 2, parity.keys()
+    assert sorted(grads) == ["logprob-grad-tp2-rank0", "logprob-grad-tp2-rank1", "logprob-grad-tp2-t0.7-rank0",
+                             "logprob-grad-tp2-t0.7-rank1"], parity.keys()
     assert all(v["max_abs_grad"] < 1e-12 for v in grads.values())
+    assert all(v["max_abs_logp"] < 1e-12 and v["max_abs_entropy"] < 1e-12 for v in grads.values())
 
 
 @pytest.mark.parametrize("kind", ["qwen2_tied", "qwen2", "llama"])

@@ -18,7 +18,7 @@ RECOMPUTE = ["tp2-pp1-dp1-mb200-r", "tp1-pp2-dp1-mb200-r"]  # model.activation_r
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("train")
-    torchrun("train_worker.py", 1, str(out), "1,1,100000")
+    torchrun("train_worker.py", 1, str(out), "1,1,100000", "tis")
     torchrun("train_worker.py", 2, str(out), "1,1,62", "2,1,200", "1,2,200", "2,1,200,r", "1,2,200,r", "adam")
 
     def load(tag):
@@ -27,7 +27,8 @@ def runs(tmp_path_factory):
             deltas.update(torch.load(f))
         return json.loads((out / f"{tag}.json").read_text()), deltas
 
-    return {tag: load(tag) for tag in [BASE, *SPLITS, *RECOMPUTE, "adam"]}
+    return {**{tag: load(tag) for tag in [BASE, *SPLITS, *RECOMPUTE, "adam"]},
+            "tis": json.loads((out / "tis.json").read_text())}
 
 
 def test_base_layout_is_one_micro_batch(runs):
@@ -75,6 +76,13 @@ def test_activation_recompute_is_megatron_full_uniform_one_layer_at_a_time():
     assert transformer_config(spec, parallel).recompute_granularity is None  # the default: none
 
 
+def test_a_zero_tis_weight_keeps_its_token_in_the_normaliser(runs):
+    record = runs["tis"]
+    weighted, left_out = record["grad_norms"]["weighted"], record["grad_norms"]["left_out"]
+    tokens = record["loss_tokens"]
+    assert weighted == pytest.approx(left_out * tokens["left_out"] / tokens["weighted"], rel=1e-5)
+
+
 def test_a_few_adam_steps_lower_the_loss(runs):
     losses = runs["adam"][0]["losses"]
     assert all(b < a for a, b in zip(losses, losses[1:])), losses
@@ -84,6 +92,15 @@ def test_a_few_adam_steps_lower_the_loss(runs):
 def test_learning_rate_warmup_then_constant():
     optim = OptimConfig(lr=1e-6, warmup_steps=4)
     assert [optim.lr_at(s) for s in range(6)] == pytest.approx([2.5e-7, 5e-7, 7.5e-7, 1e-6, 1e-6, 1e-6])
+
+
+def test_the_papers_warmup_ends_at_rollout_step_20_whatever_the_updates_per_step():
+    optim = OptimConfig()  # lr 1e-6 after 20 warmup steps
+    updates = 16  # the paper's updates per rollout step
+    last_update_of = [optim.lr_at(s * updates + updates - 1, updates) for s in range(22)]
+    assert last_update_of[:20] == pytest.approx([1e-6 * (s + 1) / 20 for s in range(20)])  # rollout step s + 1
+    assert last_update_of[19:] == pytest.approx([1e-6] * 3)
+    assert optim.lr_at(0, updates) == pytest.approx(1e-6 / 320)  # the very first update
 
 
 @pytest.mark.parametrize("kw,key", [(dict(lr=0.0), "optim.lr"), (dict(warmup_steps=-1), "optim.warmup_steps"),

@@ -131,29 +131,47 @@ def test_mapping_errors():
                        padded_vocab_size=384)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 1.6])
 @pytest.mark.parametrize("inplace", [False, True])
-def test_logprobs_match_full_softmax_with_padding_and_chunks(monkeypatch, inplace):
+def test_logprobs_match_full_softmax_with_padding_and_chunks(monkeypatch, inplace, temperature, dtype):
+    """log p and entropy of softmax(x / T), and d log p / dx, against float64 log_softmax(x / T) and autograd."""
     monkeypatch.setattr(logprobs_module, "CHUNK_ELEMENTS", 7 * 384)  # several chunks
     g = torch.Generator().manual_seed(0)
     vocab, padded = 300, 384
-    logits = (3 * torch.randn(40, padded, generator=g, dtype=torch.float64))
+    logits = (3 * torch.randn(40, padded, generator=g, dtype=torch.float64)).to(dtype).double()
     logits[:, vocab:] = 1e4  # padding columns must be ignored whatever they hold
     targets = torch.randint(0, vocab, (40,), generator=g)
     w = torch.randn(40, generator=g, dtype=torch.float64)
     ref = logits[:, :vocab].clone().requires_grad_()
-    ref_logp_all = torch.log_softmax(ref, -1)
+    ref_logp_all = torch.log_softmax(ref / temperature, -1)
     ref_logp = ref_logp_all.gather(1, targets[:, None]).squeeze(1)
     ref_ent = -(ref_logp_all.exp() * ref_logp_all).sum(-1)
     (ref_logp * w).sum().backward()
-    x = logits.clone().requires_grad_()
+    x = logits.to(dtype).requires_grad_()
     work = x * 1.0  # a non-leaf the in-place backward may overwrite
-    logp, ent = vocab_parallel_logprobs(work, targets, vocab_start=0, vocab_size=vocab, inplace_backward=inplace)
-    (logp * w).sum().backward()
-    torch.testing.assert_close(logp, ref_logp.float().double().to(logp.dtype), rtol=0, atol=1e-6)
-    torch.testing.assert_close(ent, ref_ent.detach().to(ent.dtype), rtol=0, atol=1e-5)
+    logp, ent = vocab_parallel_logprobs(work, targets, vocab_start=0, vocab_size=vocab, inplace_backward=inplace,
+                                        temperature=temperature)
+    (logp * w.to(dtype)).sum().backward()
+    assert logp.dtype == ent.dtype == dtype
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    torch.testing.assert_close(logp.double(), ref_logp.detach(), rtol=0, atol=tol)
+    torch.testing.assert_close(ent.double(), ref_ent.detach(), rtol=0, atol=10 * tol)
     assert not ent.requires_grad
-    torch.testing.assert_close(x.grad[:, :vocab], ref.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(x.grad[:, :vocab].double(), ref.grad, rtol=0, atol=tol)
     assert torch.all(x.grad[:, vocab:] == 0)
+    if temperature != 1.0:  # the temperature changes every value the test looks at
+        plain = torch.log_softmax(ref.detach(), -1).gather(1, targets[:, None]).squeeze(1)
+        assert (plain - logp.double()).abs().max() > 0.1
+
+
+def test_bad_temperatures_are_refused():
+    g = torch.Generator().manual_seed(1)
+    logits = 4 * torch.randn(30, 128, generator=g)
+    targets = torch.randint(0, 100, (30,), generator=g)
+    for bad in (0.0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="temperature: must be a finite number > 0"):
+            vocab_parallel_logprobs(logits, targets, vocab_start=0, vocab_size=100, temperature=bad)
 
 
 def test_logprobs_bad_shapes():

@@ -11,6 +11,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import urllib.error
 from pathlib import Path
 
@@ -98,6 +99,27 @@ def test_abort_ends_the_stream_and_cancels_the_rest_on_the_server(setup):
     assert engine.healthy()
     after = engine.generate(prompts[:2], 2, SamplingParams(max_new_tokens=8))
     assert [len(g) for g in after] == [2, 2]
+
+
+def test_cancelled_groups_are_aborted_never_retried_and_never_handed_out(setup):
+    server, prompts, _ = setup
+    engine = SGLangEngine(server.url, max_in_flight=3)
+    calls, aborted, abort = counted(engine), [], engine._abort
+    engine._abort = lambda in_flight: aborted.extend(rid for _, rids in in_flight for rid in rids) or abort(in_flight)
+    stream = engine.stream(prompts, 2, SamplingParams(max_new_tokens=64, ignore_eos=True))
+    while not any("-p1-" in rid for _, rid in calls):  # prompt 1 is in flight (0, 1, 2 go first)
+        time.sleep(0.01)
+    stream.abort([1, 6])  # 6 is not sent yet
+    groups = list(stream)
+    assert sorted(g[0].prompt_index for g in groups) == [0, 2, 3, 4, 5, 7]
+    for g in groups:
+        check_group(g, 2, 64)
+    for w in stream._workers:
+        w.join(timeout=120)
+    sent = sorted(rid.split("-", 2)[2] for _, rid in calls)
+    assert sent == ["p0-a0", "p1-a0", "p2-a0", "p3-a0", "p4-a0", "p5-a0", "p7-a0"]  # 1 not sent again, 6 never
+    assert [rid.split("-", 2)[2] for rid in aborted] == ["p1-a0_0", "p1-a0_1"]  # on the server
+    assert stream.resubmitted == 0 and engine.healthy()
 
 
 def test_transient_failures_are_retried_with_the_whole_group(setup):
@@ -194,7 +216,7 @@ def test_a_server_killed_mid_rollout_is_restarted_and_no_sample_is_lost(setup, t
         resynced.append(url)
 
     engine = SGLangEngine(server, max_in_flight=4, on_server_restart=on_server_restart)
-    # Not temperature 1: the log-probs compared below are the policy's (temperature 1) all the same.
+    # Not temperature 1: the log-probs compared below are the policy's at the sampling temperature.
     stream = engine.stream(prompts, 4, SamplingParams(temperature=0.7, max_new_tokens=64))
     groups = []
     for group in stream:
@@ -214,7 +236,7 @@ def test_a_server_killed_mid_rollout_is_restarted_and_no_sample_is_lost(setup, t
                for g in groups for s in g]
     (tmp_path / "samples.json").write_text(json.dumps(samples))
     torchrun("rollout_parity_worker.py", 1, str(tmp_path / "out.json"), str(root / "model"),
-             str(tmp_path / "samples.json"), "1")
+             str(tmp_path / "samples.json"), "1", "0.7")
     result = json.loads((tmp_path / "out.json").read_text())
     assert result["tokens"] == sum(len(s["output"]) for s in samples)
     assert result["max_abs_diff"] < 1e-4

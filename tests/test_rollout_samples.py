@@ -22,7 +22,8 @@ def test_samples_live_on_the_device_with_the_policys_logprobs(runs, layout):
     r = runs[layout]
     assert r["on_device"]
     assert r["old_logp_err"] < 1e-4 and r["ref_logp_err"] < 1e-4
-    assert r["loss_mask_dtype"] == "torch.float32" and r["left_out_masked"]  # TIS weights; overlong-filtered
+    assert r["dtypes"] == ["torch.bool", "torch.float32"]  # the loss tokens; their TIS weights
+    assert r["left_out_masked"]  # an overlong-filtered response
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

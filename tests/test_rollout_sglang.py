@@ -1,6 +1,9 @@
-"""Rollouts from a real SGLang server on the CPU: grouped sampling, and log-prob parity with the policy."""
+"""Rollouts from a real SGLang server on the CPU: grouped sampling, log-prob parity with the policy at the sampling
+temperature, and the start-up check that refuses servers returning other log-probs."""
 
+import dataclasses
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -10,7 +13,8 @@ from torchrun_launch import torchrun
 sys.path.insert(0, str(Path(__file__).parent / "distributed"))
 from tiny_models import save_with_tokenizer  # noqa: E402
 
-from megatron_dapo.rollout.engine import SamplingParams  # noqa: E402
+from megatron_dapo.algorithm import AlgorithmConfig, DynamicSampler, PromptItem  # noqa: E402
+from megatron_dapo.rollout.engine import SamplingParams, sample_seed  # noqa: E402
 from megatron_dapo.rollout.sglang_engine import SGLangEngine  # noqa: E402
 from megatron_dapo.rollout.sglang_server import SGLangServer, SGLangServerConfig, ServerError  # noqa: E402
 
@@ -29,12 +33,25 @@ def server(tmp_path_factory):
         yield srv, tokenizer, root
 
 
+class OriginalLogprobServer(SGLangServer):
+    """A server started elsewhere with SGLANG_RETURN_ORIGINAL_LOGPROB=1: temperature-1 log-probs."""
+
+    def environment(self):
+        return {**super().environment(), "SGLANG_RETURN_ORIGINAL_LOGPROB": "1"}
+
+
 @pytest.fixture(scope="module")
-def rollout(server):
+def rollouts(server):
+    """Samples at temperature 1 and at 0.7: {temperature: (prompts, groups, model root)}."""
     srv, tokenizer, root = server
     prompts = [tokenizer.encode(p) for p in PROMPTS]
-    groups = SGLangEngine(srv.url).generate(prompts, 4, SamplingParams(temperature=1.0, max_new_tokens=16))
-    return prompts, groups, root
+    return {t: (prompts, SGLangEngine(srv.url).generate(prompts, 4, SamplingParams(temperature=t, max_new_tokens=16)),
+                root) for t in (1.0, 0.7)}
+
+
+@pytest.fixture(scope="module")
+def rollout(rollouts):
+    return rollouts[1.0]
 
 
 def test_eight_prompts_times_four_samples(rollout):
@@ -49,17 +66,51 @@ def test_eight_prompts_times_four_samples(rollout):
     assert len({tuple(s.output_ids) for g in groups for s in g}) > 8  # sampled, not greedy copies
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
 @pytest.mark.parametrize("tp", [1, 2])
-def test_sglang_logprobs_equal_the_megatron_policy(rollout, tmp_path, tp):
-    prompts, groups, root = rollout
+def test_sglang_logprobs_equal_the_megatron_policy(rollouts, tmp_path, tp, temperature):
+    """SGLang's log-probs of the tokens it sampled at `temperature` are the trainer's old log-probs: the policy's
+    log_softmax(logits / temperature) (and, at 0.7, not the temperature-1 ones)."""
+    prompts, groups, root = rollouts[temperature]
     samples = [{"prompt": prompts[s.prompt_index], "output": s.output_ids, "logprobs": s.logprobs}
                for g in groups for s in g]
     (tmp_path / "samples.json").write_text(json.dumps(samples))
     torchrun("rollout_parity_worker.py", tp, str(tmp_path / "out.json"), str(root / "model"),
-             str(tmp_path / "samples.json"), str(tp))
+             str(tmp_path / "samples.json"), str(tp), str(temperature))
     result = json.loads((tmp_path / "out.json").read_text())
     assert result["tokens"] == sum(len(s["output"]) for s in samples)
     assert result["max_abs_diff"] < 1e-4
+    if temperature != 1.0:
+        assert result["max_abs_diff_untempered"] > 0.1
+
+
+def test_servers_we_start_drop_sglang_return_original_logprob(tmp_path, monkeypatch):
+    monkeypatch.setenv("SGLANG_RETURN_ORIGINAL_LOGPROB", "1")
+    env = SGLangServer(SGLangServerConfig("m", device="cpu"), tmp_path / "log").environment()
+    assert "SGLANG_RETURN_ORIGINAL_LOGPROB" not in env and env["SGLANG_USE_CPU_ENGINE"] == "1"
+    assert os.environ["SGLANG_RETURN_ORIGINAL_LOGPROB"] == "1"  # the caller's own environment is left alone
+
+
+def test_servers_given_by_url_are_checked_for_tempered_logprobs(server, tmp_path):
+    """The start-up check (rollout/logprob_check.py) at PP=2, where global rank 0 holds the engine and the last
+    stage the recomputation: the default server passes at 0.7; one with SGLANG_RETURN_ORIGINAL_LOGPROB=1 is refused
+    at 0.7, naming the keys and the variable, and passes at 1.0, where the two agree."""
+    srv, _, root = server
+    config = SGLangServerConfig(str(root / "model"), device="cpu", dtype="float32", max_total_tokens=8192,
+                                startup_timeout_s=300)
+    with OriginalLogprobServer(config, tmp_path / "original.log") as original:
+        cases = [f"{srv.url}@0.7", f"{original.url}@0.7", f"{original.url}@1.0"]
+        torchrun("logprob_check_worker.py", 2, str(tmp_path / "out.json"), str(root / "model"), "1", "2", *cases)
+    result = json.loads((tmp_path / "out.json").read_text())
+    good, bad, at_one = (result[c] for c in cases)
+    assert all(r["same_on_every_rank"] and r["model_left_training"] for r in result.values())
+    assert good["accepted"] and good["tokens"] >= 16, good
+    assert good["diff_tempered"] < 1e-5 and good["diff_untempered"] > 0.01, good  # fp32 noise; what 0.7 moves
+    assert not bad["accepted"]
+    for words in ("rollout.server_urls", "rollout.temperature", "temperature-1 log-probs",
+                  "SGLANG_RETURN_ORIGINAL_LOGPROB=1"):
+        assert words in bad["message"], bad["message"]
+    assert at_one["accepted"] and at_one["diff_tempered"] < 1e-5, at_one
 
 
 def test_sampling_params_are_validated():
@@ -75,3 +126,46 @@ def test_a_server_that_cannot_start_reports_its_log(tmp_path):
         with SGLangServer(config, tmp_path / "server.log"):
             pass
 
+
+# --- dynamic sampling against the real server: streaming and aborts keep the draw-order batch ---------------
+
+
+@pytest.fixture(scope="module")
+def deterministic_server(tmp_path_factory):
+    """A server whose samples depend only on (request, seed), whatever else it has batched: without
+    --enable-deterministic-inference SGLang ignores the per-sample seeds."""
+    root = tmp_path_factory.mktemp("sglang_deterministic")
+    tokenizer = save_with_tokenizer(root / "model")
+    config = SGLangServerConfig(str(root / "model"), device="cpu", dtype="float32", max_total_tokens=8192,
+                                startup_timeout_s=300, extra_args=["--enable-deterministic-inference"])
+    with SGLangServer(config, root / "server.log") as srv:
+        yield srv, tokenizer
+
+
+def test_dynamic_sampling_keeps_the_first_mixed_groups_in_draw_order(deterministic_server):
+    srv, tokenizer = deterministic_server
+    texts = PROMPTS + ["Add 5 and 6", "Subtract 4 from 10", "Half of 18 is", "Twice 7 is"]
+    prompts = [PromptItem(i, tokenizer.encode(t), "") for i, t in enumerate(texts)]
+    # Ten stop tokens of 296: responses of 1 to 64 tokens. "Correct": an even first token.
+    params = SamplingParams(max_new_tokens=64, stop_token_ids=list(range(3, 300, 30)), seed=1234)
+
+    def score(prompt, samples):
+        return [s.output_ids[0] % 2 == 0 for s in samples]
+
+    cfg = AlgorithmConfig(batch_size=4, group_size=4, oversample_factor=3.0, max_sampling_rounds=1,
+                          max_response_len=64, overlong_cache_len=16)
+    engine = SGLangEngine(srv.url)
+    batch = DynamicSampler(engine, score, lambda k: prompts[:k], cfg, params).collect()
+
+    # The same 12 prompts generated whole, with round 1's seeds: the batch is their first 4 mixed groups.
+    full = engine.generate([p.token_ids for p in prompts], 4, dataclasses.replace(params, seed=sample_seed(1234, 1)))
+    mixed = [i for i, g in enumerate(full) if 0 < sum(score(None, g)) < 4]
+    assert len(mixed) >= 5
+    assert [g.prompt.index for g in batch.groups] == mixed[:4]
+    assert [[s.output_ids for s in g.samples] for g in batch.groups] == [[s.output_ids for s in full[i]]
+                                                                         for i in mixed[:4]]
+    m = batch.metrics
+    assert m.groups_settled == mixed[3] + 1 and m.groups_generated + m.groups_aborted == len(prompts)
+    # Not what the first groups to complete would give: the 4 mixed groups whose longest response is shortest.
+    longest = {i: max(len(s.output_ids) for s in full[i]) for i in mixed}
+    assert set(sorted(mixed, key=longest.get)[:4]) != set(mixed[:4])

@@ -64,6 +64,10 @@ def test_overrides_are_read_as_yaml():
     ("train.keep_last=0", "train.keep_last"),
     ("train.resume=maybe", "train.resume: must be bool"),
     ("model.path=", "model.path"),
+    ("train.eval_every=5", "train.eval_every: moved to eval.every"),
+    ("eval.samples_per_prompt=0", "eval.samples_per_prompt"),
+    ("eval.top_p=0", "eval.top_p"),
+    ("eval.max_response_len=0", "eval.max_response_len"),
     ("model.activation_recompute=selective", "model.activation_recompute: must be 'none' or 'full'"),
     ("model.activation_recompute=true", "model.activation_recompute"),
     ("data.train_path=", "data.train_path"),
@@ -110,3 +114,15 @@ def test_bad_files(tmp_path):
     (tmp_path / "list.yaml").write_text("model: 3\n")
     with pytest.raises(ConfigError, match="model: must be a mapping"):
         load_config(tmp_path / "list.yaml")
+
+
+def test_training_samples_from_the_distribution_the_trainer_computes_log_probs_of():
+    """rollout.top_p < 1 samples from a renormalised nucleus whose log-probs no engine returns, and a temperature
+    below 1e-6 decodes greedily: both refused for training, naming the key and why; evaluation has its own."""
+    with pytest.raises(ConfigError, match=r"rollout.top_p: must be 1.0 for training, got 0.9: .*renormalised nucleus"
+                                          r".*eval.top_p"):
+        config_from_dict(MINIMAL, ["rollout.top_p=0.9"])
+    with pytest.raises(ConfigError, match=r"rollout.temperature: must be >= 1e-6 for training, got 1e-07: .*greedily"):
+        config_from_dict(MINIMAL, ["rollout.temperature=1e-7"])
+    cfg = config_from_dict(MINIMAL, ["rollout.temperature=0.7", "rollout.top_p=1.0", "eval.top_p=0.7"])
+    assert (cfg.rollout.temperature, cfg.rollout.top_p, cfg.eval.top_p) == (0.7, 1.0, 0.7)

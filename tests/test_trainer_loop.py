@@ -52,7 +52,8 @@ def config(task: Path, out: Path, **sections) -> Path:
                       "max_response_len": 8, "overlong_cache_len": 2},
         "optim": {"lr": 1e-3, "warmup_steps": 0, "weight_decay": 0.0},
         "train": {"steps": 3, "updates_per_step": 2, "output_dir": str(out), "checkpoint_every": 0, "keep_last": 2,
-                  "eval_every": 3, "eval_samples_per_prompt": 2, "eval_max_prompts": 8, "tensorboard": False},
+                  "tensorboard": False},
+        "eval": {"every": 3, "samples_per_prompt": 2, "max_prompts": 8, "top_p": 1.0},
     }
     for name, values in sections.items():
         cfg.setdefault(name, {}).update(values)
@@ -85,7 +86,7 @@ def metrics(out: Path) -> list[dict]:
 
 def test_local_engine_loop_trains_and_checkpoints(task, tmp_path):
     out = tmp_path / "local"
-    cfg = config(task, out, rollout={"engine": "local"})
+    cfg = config(task, out, rollout={"engine": "local"}, optim={"warmup_steps": 2})
     finish(launch(cfg, 1), cfg)
     records = metrics(out)
     assert [r["step"] for r in records] == [1, 2, 3]
@@ -94,7 +95,10 @@ def test_local_engine_loop_trains_and_checkpoints(task, tmp_path):
         assert r["updates"] >= 1 and r["loss_tokens"] > 0 and r["grad_norm"] > 0
         assert r["samples_per_kept_sample"] >= 1 and 0 <= r["filter_rate"] <= 1
         assert r["mismatch/abs_max"] < 1e-4  # the local engine samples from the very policy that recomputes
-    assert "eval_avg@2" in records[-1]
+    last = records[-1]
+    assert 0 <= last["eval/avg@2"] <= last["eval/pass@2"] <= 1  # a prompt solved by one sample of two passes
+    assert [r["lr"] for r in records] == pytest.approx([5e-4, 1e-3, 1e-3])  # warmup over 2 rollout steps
+    assert [r["weight_version"] for r in records] == [0, 1, 2]  # sampled by the weights of the step before
     assert (out / "checkpoints" / "step_000003" / "COMPLETE").is_file()
 
 
@@ -116,11 +120,13 @@ def test_sglang_tp2_killed_and_resumed_matches_an_uninterrupted_run(task, tmp_pa
               "deterministic": True}
     sections = dict(rollout=sglang, parallel={"device": "cpu", "seed": 7, "tensor_parallel": 2})
     full_out = tmp_path / "full"
-    full = config(task, full_out, **sections, train={"steps": 4, "checkpoint_every": 3, "eval_every": 0})
+    full = config(task, full_out, **sections, train={"steps": 4, "checkpoint_every": 3},
+                  eval={"every": 0})
     finish(launch(full, 2), full)
 
     out = tmp_path / "resumed"
-    cfg = config(task, out, **sections, train={"steps": 4, "checkpoint_every": 3, "eval_every": 0})
+    cfg = config(task, out, **sections, train={"steps": 4, "checkpoint_every": 3},
+                  eval={"every": 0})
     proc = launch(cfg, 2)
     marker = out / "checkpoints" / "step_000003" / "COMPLETE"
     deadline = time.monotonic() + 900
@@ -135,3 +141,20 @@ def test_sglang_tp2_killed_and_resumed_matches_an_uninterrupted_run(task, tmp_pa
     step4 = {k: v for k, v in want[3].items() if not k.startswith(TIMING) and k != "time"}
     assert step4["groups_kept"] >= 1 and step4["loss_tokens"] > 0
     assert {k: got[3][k] for k in step4} == pytest.approx(step4, rel=1e-6, abs=1e-9)
+
+
+def test_fewer_updates_than_updates_per_step_are_said_once_with_the_numbers(caplog):
+    from types import SimpleNamespace
+
+    from megatron_dapo.trainer import DapoTrainer
+
+    trainer = DapoTrainer.__new__(DapoTrainer)  # only the step's cutting, no runtime
+    trainer.cfg = SimpleNamespace(train=SimpleNamespace(updates_per_step=4))
+    trainer.step_index, trainer.warned_fewer_updates = 6, False
+    with caplog.at_level("WARNING"):
+        assert [len(m) for m in trainer._mini_batches(list(range(8)))] == [2, 2, 2, 2]
+        assert [len(m) for m in trainer._mini_batches([0, 1])] == [1, 1]
+        assert [len(m) for m in trainer._mini_batches([0])] == [1]
+    said = [r.message for r in caplog.records if "updates_per_step" in r.message]
+    assert said == ["step 7: 2 responses per data-parallel rank, fewer than train.updates_per_step = 4: 2 updates "
+                    "this step (said once); a batch that small trains on little"]

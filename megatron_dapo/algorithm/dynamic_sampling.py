@@ -1,14 +1,20 @@
 """DAPO's dynamic sampling: keep drawing prompts until the batch holds B groups of mixed correctness.
 
 A group whose G responses are all right or all wrong has zero advantages and teaches nothing, so it
-is dropped. Each round samples ceil(groups still needed x oversample_factor) prompts, consumes
-groups as the engine completes them, and aborts the round's remaining generation once the batch is
-full. After algorithm.max_sampling_rounds the step goes on with what was kept (and a warning), the
-batch trimmed so that it divides across data-parallel ranks.
+is dropped. Each round samples ceil(groups still needed x oversample_factor) prompts. The batch is
+exactly the one a full synchronous generation would give: the first B mixed groups in the order
+the prompts were drawn (rounds continue that order), never the first B to complete, which would
+favour prompts with short responses. Generation still streams: a completed group is taken (kept or
+dropped) once every group drawn before it has been, and the groups drawn after the B-th mixed one are
+aborted as soon as that is known. Counting only the mixed groups completed so far, the position of
+the (still needed)-th one is an upper bound on the true one, so everything drawn after it is
+aborted at once. After algorithm.max_sampling_rounds the step goes on with what was kept (and a
+warning), the batch trimmed from its end (in draw order) so that it divides across data-parallel ranks.
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import logging
 import math
@@ -40,9 +46,9 @@ class DynamicSampler:
         self.dp_size = dp_size
 
     def collect(self) -> RolloutBatch:
-        """One training batch: up to B groups of G responses with 0 < #correct < G."""
+        """One training batch: the first B groups (in draw order) of G responses with 0 < #correct < G."""
         cfg = self.cfg
-        kept: list[ScoredGroup] = []
+        kept: list[ScoredGroup] = []  # in draw order
         tally = _Tally()
         for round_ in range(1, cfg.max_sampling_rounds + 1):
             tally.rounds = round_
@@ -50,17 +56,7 @@ class DynamicSampler:
             params = self.params
             if params.seed is not None:  # each round draws with its own seeds
                 params = dataclasses.replace(params, seed=sample_seed(params.seed, round_))
-            stream = self.engine.stream([p.token_ids for p in prompts], cfg.group_size, params)
-            try:
-                for samples in stream:
-                    group = self._score(prompts, samples)
-                    tally.add(group)
-                    if 0 < group.num_correct < cfg.group_size:  # mixed correctness: the group has contrast
-                        kept.append(group)
-                    if len(kept) == cfg.batch_size:
-                        break
-            finally:
-                stream.abort()  # the batch is full (or scoring failed): stop generating what is left
+            kept += self._round(prompts, params, cfg.batch_size - len(kept), tally)
             if len(kept) == cfg.batch_size:
                 break
         else:  # every round ran without filling the batch
@@ -79,14 +75,68 @@ class DynamicSampler:
         batch = kept[:usable]
         return RolloutBatch(batch, tally.metrics(kept=batch, trimmed=len(kept) - usable))
 
+    def _round(self, prompts: list[PromptItem], params: SamplingParams, need: int, tally: _Tally) -> list[ScoredGroup]:
+        """The first `need` mixed groups of these prompts, in their order, generating as little past them as it can."""
+        stream = self.engine.stream([p.token_ids for p in prompts], self.cfg.group_size, params)
+        kept: list[ScoredGroup] = []
+        completed: dict[int, ScoredGroup] = {}  # completed, waiting for the groups drawn before them
+        mixed: list[int] = []  # the indices in `completed` of mixed groups, ascending
+        settled = 0  # groups [0, settled) are taken: kept or dropped
+        end = len(prompts)  # groups [end, ...) are not needed: aborted, or left out if they completed
+        received = 0
+        try:
+            for samples in stream:
+                index = self._check_group(prompts, samples)
+                if index >= end:
+                    continue  # cancelled, but the engine handed it out all the same: not needed
+                if index < settled or index in completed:
+                    raise RuntimeError(f"dynamic sampling: the engine returned the group of prompt {index} twice")
+                received += 1
+                group = self._score(prompts[index], samples)
+                tally.generated(group)
+                completed[index] = group
+                if self._mixed(group):
+                    bisect.insort(mixed, index)
+                while settled in completed:  # take groups in draw order
+                    group = completed.pop(settled)
+                    tally.settle(group)
+                    if self._mixed(group):
+                        kept.append(group)
+                        mixed.pop(0)
+                    settled += 1
+                    if len(kept) == need:
+                        break
+                if len(kept) == need or settled == end:
+                    break
+                # The (need - kept)-th mixed group completed so far bounds where the last needed one is.
+                if len(mixed) >= need - len(kept):
+                    cut = mixed[need - len(kept) - 1] + 1
+                    if cut < end:
+                        stream.abort([i for i in range(cut, end) if i not in completed])
+                        for i in [i for i in completed if i >= cut]:
+                            del completed[i]
+                        del mixed[need - len(kept):]
+                        end = cut
+        finally:
+            stream.abort()  # the batch is full (or scoring failed): stop generating what is left
+            tally.aborted += len(prompts) - received
+        if len(kept) < need and settled < end:
+            raise RuntimeError(f"dynamic sampling: the engine's stream ended with {end - settled - len(completed)} "
+                               f"of {len(prompts)} groups never returned")
+        return kept
+
+    def _mixed(self, group: ScoredGroup) -> bool:
+        """0 < #correct < G: the group has contrast, its advantages are not all zero."""
+        return 0 < group.num_correct < self.cfg.group_size
+
     def _draw_prompts(self, k: int) -> list[PromptItem]:
         prompts = list(self.next_prompts(k))
         if not prompts:
             raise RuntimeError(f"dynamic sampling: the prompt source returned no prompts (asked for {k})")
         return prompts
 
-    def _score(self, prompts: list[PromptItem], samples: list[Sample]) -> ScoredGroup:
-        """Judge one group and turn its verdicts (and lengths) into rewards, advantages and loss masks."""
+    def _check_group(self, prompts: list[PromptItem], samples: list[Sample]) -> int:
+        """The prompt index of a group the engine returned, after checking its shape."""
         g = self.cfg.group_size
         index = {s.prompt_index for s in samples}
         if len(samples) != g or len(index) != 1 or not 0 <= next(iter(index)) < len(prompts):
@@ -96,7 +146,11 @@ class DynamicSampler:
             if len(s.logprobs) != len(s.output_ids):
                 raise RuntimeError(f"dynamic sampling: a sample has {len(s.logprobs)} log-probs for "
                                    f"{len(s.output_ids)} tokens; the engine must return one per token")
-        prompt = prompts[samples[0].prompt_index]
+        return samples[0].prompt_index
+
+    def _score(self, prompt: PromptItem, samples: list[Sample]) -> ScoredGroup:
+        """Judge one group and turn its verdicts (and lengths) into rewards, advantages and loss masks."""
+        g = self.cfg.group_size
         correct = [bool(c) for c in self.score_group(prompt, samples)]
         if len(correct) != g:
             raise RuntimeError(f"dynamic sampling: score_group returned {len(correct)} verdicts for {g} responses")
@@ -113,16 +167,23 @@ class DynamicSampler:
 
 
 class _Tally:
-    """Running counts over every generated group (not kept in memory: most are dropped)."""
+    """Running counts (not kept in memory: most groups are dropped). Cost counts every group the engine
+    completed; the rates count the settled ones, the draw-order prefix the rule took (kept or dropped),
+    which is the same whatever order the groups completed in."""
 
     def __init__(self):
         self.rounds = 0
         self.round_cap_hit = False
+        self.generated_groups = self.generated_samples = self.aborted = 0
         self.groups = self.all_correct = self.all_wrong = 0
         self.samples = self.correct = self.truncated = self.len_sum = self.len_max = 0
         self.reward_sum = 0.0
 
-    def add(self, group: ScoredGroup) -> None:
+    def generated(self, group: ScoredGroup) -> None:
+        self.generated_groups += 1
+        self.generated_samples += len(group.samples)
+
+    def settle(self, group: ScoredGroup) -> None:
         lens = group.response_lens
         self.groups += 1
         self.all_correct += group.num_correct == len(lens)
@@ -143,13 +204,15 @@ class _Tally:
         return SamplingMetrics(
             rounds=self.rounds,
             round_cap_hit=self.round_cap_hit,
-            groups_generated=self.groups,
+            groups_generated=self.generated_groups,
+            groups_aborted=self.aborted,
+            groups_settled=self.groups,
             groups_kept=len(kept),
             groups_all_correct=self.all_correct,
             groups_all_wrong=self.all_wrong,
             groups_trimmed=trimmed,
-            samples_generated=self.samples,
-            samples_per_kept_sample=self.samples / kept_samples if kept_samples else math.inf,
+            samples_generated=self.generated_samples,
+            samples_per_kept_sample=self.generated_samples / kept_samples if kept_samples else math.inf,
             accuracy=per_sample(self.correct),
             reward_mean=per_sample(self.reward_sum),
             response_len_mean=per_sample(self.len_sum),

@@ -33,34 +33,38 @@ class ScoredGroup:
 
 @dataclass(frozen=True)
 class SamplingMetrics:
-    """How one training batch was collected. Rates over generated groups / samples; NaN when there were none."""
+    """How one training batch was collected. What it cost counts every group the engine completed; the rates
+    and lengths are over the settled groups (the ones dynamic sampling took in draw order, kept or dropped: the
+    same whatever order groups completed in), NaN when there were none."""
 
     rounds: int  # generation rounds used
     round_cap_hit: bool  # the batch was not full after algorithm.max_sampling_rounds
-    groups_generated: int  # groups received from the engine (aborted ones not counted)
+    groups_generated: int  # groups the engine completed, settled or not (aborted ones not counted)
+    groups_aborted: int  # groups drawn but cancelled before they completed: not needed for the batch
+    groups_settled: int  # groups taken in draw order: kept + trimmed + all correct + all wrong
     groups_kept: int  # groups in the training batch
     groups_all_correct: int  # dropped: every response right
     groups_all_wrong: int  # dropped: every response wrong
     groups_trimmed: int  # mixed groups left out so that the batch divides across data-parallel ranks
-    samples_generated: int
+    samples_generated: int  # responses of the groups generated
     samples_per_kept_sample: float  # samples_generated / responses in the batch (inf if the batch is empty)
-    accuracy: float  # fraction of generated responses judged correct
-    reward_mean: float  # over generated responses, overlong penalty included
-    response_len_mean: float
+    accuracy: float  # fraction of the settled groups' responses judged correct
+    reward_mean: float  # over the settled groups' responses, overlong penalty included
+    response_len_mean: float  # over the settled groups' responses
     response_len_max: int
-    truncation_rate: float  # fraction of generated responses cut off at max_response_len
+    truncation_rate: float  # fraction of the settled groups' responses cut off at max_response_len
 
     @property
     def filter_rate(self) -> float:
-        return _ratio(self.groups_all_correct + self.groups_all_wrong, self.groups_generated)
+        return _ratio(self.groups_all_correct + self.groups_all_wrong, self.groups_settled)
 
     @property
     def filter_rate_all_correct(self) -> float:
-        return _ratio(self.groups_all_correct, self.groups_generated)
+        return _ratio(self.groups_all_correct, self.groups_settled)
 
     @property
     def filter_rate_all_wrong(self) -> float:
-        return _ratio(self.groups_all_wrong, self.groups_generated)
+        return _ratio(self.groups_all_wrong, self.groups_settled)
 
     def as_dict(self) -> dict[str, float]:
         out = {k: float(v) for k, v in asdict(self).items()}

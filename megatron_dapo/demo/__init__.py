@@ -36,9 +36,9 @@ DAPO = {
     "algorithm": {"batch_size": 32, "group_size": 8, "oversample_factor": 1.5, "max_sampling_rounds": 4,
                   "max_response_len": 12, "overlong_cache_len": 4},
     "loss": {"eps_low": 0.2, "eps_high": 0.28},
-    "optim": {"lr": 2e-4, "warmup_steps": 10, "weight_decay": 0.0, "clip_grad": 1.0},
-    "train": {"steps": 40, "updates_per_step": 2, "checkpoint_every": 0, "keep_last": 1, "resume": False,
-              "eval_every": 10, "eval_samples_per_prompt": 4, "eval_max_prompts": NUM_EVAL},
+    "optim": {"lr": 2e-4, "warmup_steps": 5, "weight_decay": 0.0, "clip_grad": 1.0},  # rollout steps
+    "train": {"steps": 40, "updates_per_step": 2, "checkpoint_every": 0, "keep_last": 1, "resume": False},
+    "eval": {"every": 10, "samples_per_prompt": 4, "max_prompts": NUM_EVAL, "temperature": 1.0, "top_p": 1.0},
     "parallel": {"device": "cpu"},
 }
 
@@ -102,14 +102,16 @@ def _report(out: Path, cfg, before: dict, after: dict, last: dict, times: dict, 
             log_file: Path | None = None) -> int:
     from megatron_dapo.metrics_plot import plot_metrics
 
-    key = next(iter(before))
     png = plot_metrics(out / "dapo" / "metrics.jsonl", out / "dapo_curves.png")
-    gain = 100 * (after[key] - before[key])
-    steps = cfg.train.steps
+    k, steps = cfg.eval.samples_per_prompt, cfg.train.steps
+    avg, pass_ = f"eval/avg@{k}", f"eval/pass@{k}"
     print("\n== megatron-dapo demo ==")
-    print(f"held-out {key} (sampled at temperature {cfg.rollout.temperature}, {len(_eval_lines(out))} problems):")
-    print(f"  after the warm start  {100 * before[key]:6.1f} %")
-    print(f"  after {steps} DAPO steps  {100 * after[key]:6.1f} %   ({gain:+.1f} points)")
+    print(f"held-out problems ({len(_eval_lines(out))}), {k} samples each at temperature {cfg.eval.temperature}, "
+          f"top_p {cfg.eval.top_p}:")
+    print(f"  {'':<22}{'avg@' + str(k):>8}{'pass@' + str(k):>9}")
+    for name, m in (("after the warm start", before), (f"after {steps} DAPO steps", after)):
+        print(f"  {name:<22}{100 * m[avg]:7.1f}%{100 * m[pass_]:8.1f}%")
+    print(f"  {'gain, points':<22}{100 * (after[avg] - before[avg]):+7.1f} {100 * (after[pass_] - before[pass_]):+8.1f}")
     print("time:")
     for name, seconds in times.items():
         print(f"  {name:<24}{seconds:7.1f} s")

@@ -1,8 +1,9 @@
 """Run the policy over micro-batches through megatron-core's pipeline schedules.
 
 `response_logprobs` gives, for every response token, its log-prob under the policy and the entropy
-of the policy at that position. Forward-only: no gradient, no saved activations. The results live
-on the last pipeline stage (where the loss is computed); other stages get None.
+of the policy at that position, both of the distribution softmax(logits / temperature) that the
+rollout samples from (rollout.temperature). Forward-only: no gradient, no saved activations. The
+results live on the last pipeline stage (where the loss is computed); other stages get None.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 from functools import partial
 
 import torch
+import torch.distributed as dist
 
 from megatron_dapo.policy.batch import MicroBatch, Sequence, check_sequences, micro_batches
 from megatron_dapo.policy.logprobs import vocab_parallel_logprobs
@@ -22,12 +24,15 @@ def tp_vocab_slice(logits_cols: int) -> tuple[int, object]:
     return parallel_state.get_tensor_model_parallel_rank() * logits_cols, group
 
 
-def micro_batch_logprobs(logits: torch.Tensor, mb: MicroBatch, vocab_size: int, *, inplace_backward: bool):
-    """Response-token log-probs and entropy of one micro-batch from the model's [rows, length, V/TP] logits."""
+def micro_batch_logprobs(logits: torch.Tensor, mb: MicroBatch, vocab_size: int, *, inplace_backward: bool,
+                         temperature: float = 1.0):
+    """Response-token log-probs and entropy of softmax(logits / temperature) for one micro-batch, from the model's
+    [rows, length, V/TP] logits."""
     flat = logits.reshape(-1, logits.shape[-1])
     vocab_start, group = tp_vocab_slice(flat.shape[-1])
     logp, entropy = vocab_parallel_logprobs(flat, mb.targets.to(flat.device), vocab_start=vocab_start,
-                                            vocab_size=vocab_size, group=group, inplace_backward=inplace_backward)
+                                            vocab_size=vocab_size, group=group, inplace_backward=inplace_backward,
+                                            temperature=temperature)
     pos = mb.response_positions.to(flat.device)
     return logp[pos], entropy[pos]
 
@@ -46,15 +51,16 @@ def is_last_stage() -> bool:
 
 @torch.no_grad()
 def response_logprobs(model, sequences: list[Sequence], *, vocab_size: int, max_positions: int,
-                      max_tokens_per_micro_batch: int, device: torch.device):
-    """Per sequence: (log-probs, entropies) of its response tokens, fp32, on the last stage; else None."""
+                      max_tokens_per_micro_batch: int, device: torch.device, temperature: float = 1.0):
+    """Per sequence: (log-probs, entropies) of its response tokens under softmax(logits / temperature), fp32, on
+    the last stage; else None."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     check_sequences(sequences, max_positions)
     mbs = micro_batches(sequences, max_tokens_per_micro_batch)
 
     def loss_func(mb, logits):
-        logp, entropy = micro_batch_logprobs(logits, mb, vocab_size, inplace_backward=False)
+        logp, entropy = micro_batch_logprobs(logits, mb, vocab_size, inplace_backward=False, temperature=temperature)
         return logits.new_zeros(()), {"logp": logp, "entropy": entropy}
 
     def forward_step(data_iterator, model):
@@ -73,3 +79,38 @@ def response_logprobs(model, sequences: list[Sequence], *, vocab_size: int, max_
         for i, lp, en in zip(mb.sample_index, logps, ents):
             result[i] = (lp, en)
     return result
+
+
+def to_every_stage(values: torch.Tensor | None, numel: int, device: torch.device) -> torch.Tensor:
+    """A flat fp32 tensor computed on the last pipeline stage (None elsewhere), on every stage of this pipeline."""
+    from megatron.core import parallel_state
+
+    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        return values
+    flat = values.float() if values is not None else torch.empty(numel, device=device)
+    dist.broadcast(flat, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                   group=parallel_state.get_pipeline_model_parallel_group())
+    return flat
+
+
+def logprob_recomputer(model, *, vocab_size: int, max_positions: int, max_tokens_per_micro_batch: int,
+                       device: torch.device):
+    """`recompute(responses, temperature)`: for (prompt_ids, output_ids) pairs, each response's token log-probs
+    under softmax(logits / temperature) as a list of floats, on every pipeline stage. Collective: every rank of
+    the model calls it with the same responses. The model runs in eval mode and is left in its own mode."""
+
+    def recompute(responses: list[tuple[list[int], list[int]]], temperature: float) -> list[list[float]]:
+        seqs = [Sequence(torch.tensor(list(p) + list(o), dtype=torch.long), len(p)) for p, o in responses]
+        lengths = [len(o) for _, o in responses]
+        was_training = model.training
+        model.eval()
+        try:
+            out = response_logprobs(model, seqs, vocab_size=vocab_size, max_positions=max_positions,
+                                    max_tokens_per_micro_batch=max_tokens_per_micro_batch, device=device,
+                                    temperature=temperature)
+        finally:
+            model.train(was_training)
+        flat = to_every_stage(torch.cat([o[0] for o in out]) if out is not None else None, sum(lengths), device)
+        return [t.tolist() for t in flat.double().cpu().split(lengths)]
+
+    return recompute

@@ -1,7 +1,9 @@
 """This rank's share of a kept rollout batch -> training samples, with the old policy's log-probs.
 
 The old policy's log-probs (the current weights, before the step's first update) are recomputed for
-the whole share in one forward-only pass and handed from the last pipeline stage to every stage.
+the whole share in one forward-only pass and handed from the last pipeline stage to every stage;
+like the reference policy's, they are those of softmax(logits / rollout.temperature), the
+distribution the engine sampled from and whose log-probs it returned.
 Everything per token is built once for the share, on the rank's device, and cut into per-response
 views: the engine's log-probs travel to the device in one copy. When loss.tis_cap is set, each token
 is weighted by min(pi_old / pi_rollout, cap) (truncated importance sampling).
@@ -10,25 +12,12 @@ is weighted by min(pi_old / pi_rollout, cap) (truncated importance sampling).
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from megatron_dapo.policy.batch import Sequence
-from megatron_dapo.policy.forward import response_logprobs
+from megatron_dapo.policy.forward import response_logprobs, to_every_stage
 from megatron_dapo.policy.mismatch import MISMATCH_KEYS, mismatch_sums, tis_weights
 from megatron_dapo.policy.train_step import RolloutSample
 from megatron_dapo.samples import TrainItem
-
-
-def _to_every_stage(values: torch.Tensor | None, numel: int, device: torch.device) -> torch.Tensor:
-    """A flat fp32 tensor computed on the last pipeline stage (None elsewhere), on every stage of this pipeline."""
-    from megatron.core import parallel_state
-
-    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
-        return values
-    flat = values.float() if values is not None else torch.empty(numel, device=device)
-    dist.broadcast(flat, src=parallel_state.get_pipeline_model_parallel_last_rank(),
-                   group=parallel_state.get_pipeline_model_parallel_group())
-    return flat
 
 
 def _flat_logprobs(model, seqs: list[Sequence], numel: int, device: torch.device, **kwargs):
@@ -36,16 +25,17 @@ def _flat_logprobs(model, seqs: list[Sequence], numel: int, device: torch.device
     entropies on the last stage only (None elsewhere)."""
     out = response_logprobs(model, seqs, device=device, **kwargs)
     if out is None:
-        return _to_every_stage(None, numel, device), None
-    return _to_every_stage(torch.cat([o[0] for o in out]), numel, device), torch.cat([o[1] for o in out])
+        return to_every_stage(None, numel, device), None
+    return to_every_stage(torch.cat([o[0] for o in out]), numel, device), torch.cat([o[1] for o in out])
 
 
 def training_samples(model, reference, items: list[TrainItem], *, spec, max_tokens_per_micro_batch: int,
-                     device: torch.device, tis_cap: float | None
+                     device: torch.device, tis_cap: float | None, temperature: float = 1.0
                      ) -> tuple[list[RolloutSample], torch.Tensor, torch.Tensor]:
     """RolloutSamples for `items` (this rank's share), on `device`; and this rank's mismatch sums
     (MISMATCH_KEYS) and largest |log pi_old - log pi_rollout| over its loss tokens (zeros on all but one
-    rank per data-parallel replica, so that world-wide sums count every response once)."""
+    rank per data-parallel replica, so that world-wide sums count every response once). `temperature`:
+    rollout.temperature, at which the old (and reference) log-probs and entropies are computed."""
     from megatron.core import parallel_state
 
     seqs = [Sequence(torch.tensor(it.prompt_ids + it.output_ids, dtype=torch.long), len(it.prompt_ids))
@@ -53,7 +43,7 @@ def training_samples(model, reference, items: list[TrainItem], *, spec, max_toke
     lengths = [len(it.output_ids) for it in items]
     numel = sum(lengths)
     kwargs = dict(vocab_size=spec.vocab_size, max_positions=spec.max_position_embeddings,
-                  max_tokens_per_micro_batch=max_tokens_per_micro_batch)
+                  max_tokens_per_micro_batch=max_tokens_per_micro_batch, temperature=temperature)
     old, entropy = _flat_logprobs(model, seqs, numel, device, **kwargs)
     ref = _flat_logprobs(reference, seqs, numel, device, **kwargs)[0] if reference is not None else None
 
@@ -62,14 +52,12 @@ def training_samples(model, reference, items: list[TrainItem], *, spec, max_toke
     advantages = torch.tensor([it.advantage for it in items], dtype=torch.float32, device=device)
     in_loss = torch.tensor([it.in_loss for it in items], device=device).repeat_interleave(per_token)
     log_ratio = old.double() - rollout  # log pi_old / pi_rollout
-    if tis_cap is None:
-        loss_mask = in_loss
-    else:
-        loss_mask = torch.where(in_loss, tis_weights(log_ratio, tis_cap), 0.0).float()
-    samples = [RolloutSample(seq, lp, adv, mask, r)
-               for seq, lp, adv, mask, r in zip(
+    none = [None] * len(items)
+    weights = tis_weights(log_ratio, tis_cap).float().split(lengths) if tis_cap is not None else none
+    samples = [RolloutSample(seq, lp, adv, mask, r, w)
+               for seq, lp, adv, mask, r, w in zip(
                    seqs, old.float().split(lengths), advantages.repeat_interleave(per_token).split(lengths),
-                   loss_mask.split(lengths), ref.float().split(lengths) if ref is not None else [None] * len(items))]
+                   in_loss.split(lengths), ref.float().split(lengths) if ref is not None else none, weights)]
 
     reporter = parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0
     if reporter and entropy is not None:

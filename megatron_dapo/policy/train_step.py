@@ -31,12 +31,19 @@ class RolloutSample:
     sequence: Sequence
     old_logp: torch.Tensor  # [response_len]
     advantages: torch.Tensor  # [response_len]
-    loss_mask: torch.Tensor  # [response_len]: bool, or fp32 per-token weights (0 = out of the loss)
+    loss_mask: torch.Tensor  # [response_len] bool: the tokens in the loss (and in its token-level normaliser)
     ref_logp: torch.Tensor | None = None  # [response_len], for the optional KL penalty
+    # [response_len] fp32 weights of the loss tokens' terms (truncated IS); a weight of 0 keeps its token in the
+    # normaliser: the token was sampled and belongs to the step, however little it counts.
+    loss_weight: torch.Tensor | None = None
 
     def __post_init__(self):
         n = self.sequence.response_len
-        for name in ("old_logp", "advantages", "loss_mask") + (("ref_logp",) if self.ref_logp is not None else ()):
+        if self.loss_mask.dtype != torch.bool:
+            raise ValueError(f"RolloutSample.loss_mask: must be bool, got {self.loss_mask.dtype} (per-token weights "
+                             "go in loss_weight)")
+        optional = tuple(name for name in ("ref_logp", "loss_weight") if getattr(self, name) is not None)
+        for name in ("old_logp", "advantages", "loss_mask") + optional:
             if getattr(self, name).shape != (n,):
                 raise ValueError(f"RolloutSample.{name}: shape {tuple(getattr(self, name).shape)}, expected ({n},) "
                                  "(one entry per response token)")
@@ -55,10 +62,15 @@ class PolicyTrainer:
     """This rank's model stage, wrapped for training, and the step that updates it."""
 
     def __init__(self, spec: ModelSpec, parallel: ParallelConfig, device: torch.device, optim: OptimConfig,
-                 loss: LossConfig, max_tokens_per_micro_batch: int, activation_recompute: str = "none"):
+                 loss: LossConfig, max_tokens_per_micro_batch: int, activation_recompute: str = "none",
+                 updates_per_step: int = 1, temperature: float = 1.0):
         """`activation_recompute`: model.activation_recompute ("full": each layer keeps only its input and
         recomputes the rest in the backward). Forward-only passes are unaffected: megatron-core recomputes only in
-        training mode, and under no_grad its checkpoint keeps nothing for a backward either."""
+        training mode, and under no_grad its checkpoint keeps nothing for a backward either.
+        `updates_per_step`: train.updates_per_step, the optimizer updates of one rollout step (the LR warmup
+        counts rollout steps).
+        `temperature`: rollout.temperature; the loss's log-probs are those of softmax(logits / temperature), the
+        distribution the rollout sampled from (old log-probs must be recomputed at the same temperature)."""
         from megatron.core import parallel_state
         from megatron.core.distributed import (
             DistributedDataParallel,
@@ -70,7 +82,9 @@ class PolicyTrainer:
         self.spec, self.parallel, self.device = spec, parallel, device
         self.optim, self.loss_cfg = optim, loss
         self.max_tokens = max_tokens_per_micro_batch
-        self.step_count = 0
+        self.step_count = 0  # the LR schedule's position, in optimizer updates
+        self.updates_per_step = updates_per_step
+        self.temperature = temperature
         model = build_model(spec, parallel, pre_process=parallel_state.is_pipeline_first_stage(),
                             post_process=parallel_state.is_pipeline_last_stage(),
                             activation_recompute=activation_recompute)
@@ -91,22 +105,28 @@ class PolicyTrainer:
         config.no_sync_func = self.model.no_sync
         config.grad_scale_func = self.optimizer.scale_loss
 
+    def begin_rollout_step(self, index: int) -> None:
+        """Put the LR schedule at rollout step `index` (from 0): it advances by updates_per_step per rollout step
+        even when a step makes fewer updates (a batch with fewer responses than updates)."""
+        self.step_count = index * self.updates_per_step
+
     @property
     def module(self):
         """The bare GPTModel stage (for loading weights and forward-only passes)."""
         return self.model.module
 
-    def _loss_func(self, mb: MicroBatch, old_logp, advantages, mask, ref_logp, logits):
-        logp, entropy = micro_batch_logprobs(logits, mb, self.spec.vocab_size, inplace_backward=True)
+    def _loss_func(self, mb: MicroBatch, old_logp, advantages, mask, weight, ref_logp, logits):
+        logp, entropy = micro_batch_logprobs(logits, mb, self.spec.vocab_size, inplace_backward=True,
+                                             temperature=self.temperature)
         c = self.loss_cfg
-        loss, stats = dapo_loss(logp, old_logp, advantages, mask, eps_low=c.eps_low, eps_high=c.eps_high,
+        loss, stats = dapo_loss(logp, old_logp, advantages, mask if weight is None else torch.where(mask, weight, 0.0),
+                                eps_low=c.eps_low, eps_high=c.eps_high,
                                 normalizer=1.0, dual_clip_c=c.dual_clip_c, log_ratio_clamp=c.log_ratio_clamp,
                                 ref_logp=ref_logp, kl_coef=c.kl_coef if ref_logp is not None else 0.0,
                                 kl_type=c.kl_type)
-        # Weighted masks (truncated IS) still count each token once in the token-level normaliser.
-        num_tokens = (mask != 0).sum().to(torch.int)
+        num_tokens = mask.sum().to(torch.int)  # the token-level normaliser: every loss token, whatever its weight
         reduced = {"stats": torch.stack(stats), "loss_sum": loss.detach().double(),
-                   "entropy_sum": torch.where(mask != 0, entropy, 0.0).sum().double()}
+                   "entropy_sum": torch.where(mask, entropy, 0.0).sum().double()}
         return loss, num_tokens, reduced
 
     def step(self, samples: list[RolloutSample]) -> StepResult:
@@ -120,6 +140,9 @@ class PolicyTrainer:
         with_ref = self.loss_cfg.kl_coef > 0
         if with_ref and any(s.ref_logp is None for s in samples):
             raise ValueError("loss.kl_coef > 0 needs every RolloutSample's ref_logp (the reference policy's log-probs)")
+        weighted = samples[0].loss_weight is not None
+        if any((s.loss_weight is not None) != weighted for s in samples):
+            raise ValueError("RolloutSample.loss_weight: give it for every sample of a step or for none")
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
@@ -127,11 +150,11 @@ class PolicyTrainer:
             old = torch.cat([r.old_logp for r in rows]).to(dev, torch.float32)
             adv = torch.cat([r.advantages for r in rows]).to(dev, torch.float32)
             mask = torch.cat([r.loss_mask for r in rows]).to(dev)
-            mask = mask if mask.dtype == torch.bool else mask.float()
+            weight = torch.cat([r.loss_weight for r in rows]).to(dev, torch.float32) if weighted else None
             ref = torch.cat([r.ref_logp for r in rows]).to(dev, torch.float32) if with_ref else None
-            return model_forward(model, mb, dev), partial(self._loss_func, mb, old, adv, mask, ref)
+            return model_forward(model, mb, dev), partial(self._loss_func, mb, old, adv, mask, weight, ref)
 
-        lr = self.optim.lr_at(self.step_count)
+        lr = self.optim.lr_at(self.step_count, self.updates_per_step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.model.zero_grad_buffer()

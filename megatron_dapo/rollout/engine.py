@@ -1,14 +1,15 @@
 """The inference-engine interface the trainer samples through.
 
 An engine samples groups: n responses for each prompt. `stream` hands groups back as they complete
-(in any order), which dynamic sampling consumes, and `GroupStream.abort` cancels the groups still
-outstanding once the batch is full. `generate` is the blocking form, in prompt order.
+(in any order), which dynamic sampling consumes; `GroupStream.abort(indices)` cancels some groups (those
+dynamic sampling knows it will not need) and `abort()` all that are still outstanding. `generate` is the
+blocking form, in prompt order.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -47,8 +48,11 @@ class GroupStream(Protocol):
     def __iter__(self) -> Iterator[list[Sample]]:
         ...
 
-    def abort(self) -> None:
-        """Cancel every group not yet handed out; iteration then ends. Safe to call more than once."""
+    def abort(self, indices: Iterable[int] | None = None) -> None:
+        """Cancel the groups of these prompt indices (positions in the list given to `stream`), or with no
+        argument every group; a cancelled group is never handed out (nor sent again after a failure), even
+        if it had completed already. Iteration ends once every group is handed out or cancelled. Safe to
+        call more than once, and for groups already handed out (then a no-op for them)."""
         ...
 
 

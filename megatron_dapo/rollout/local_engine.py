@@ -13,11 +13,11 @@ At most max_batch_rows rows (whole groups) share one cache; more prompts are dec
 batch. Samples are drawn from the engine's own torch.Generator, seeded once: the same seed and the
 same requests give the same samples.
 
-Log-probs: each token's log-prob under the policy's temperature-1 distribution, log_softmax(logits)
-over the true vocabulary: the quantity policy.forward.response_logprobs recomputes, whatever the
-sampling temperature and top_p. SGLang returns the same quantity when its server runs with
-SGLANG_RETURN_ORIGINAL_LOGPROB=1; its default is log_softmax(logits / temperature) (before top_p),
-which agrees only at temperature 1 and in greedy decoding.
+Log-probs: each sampled token's log_softmax(logits / temperature) over the true vocabulary, taken
+before the top_p cut: what SGLang returns by default, and what policy.forward.response_logprobs
+recomputes at the run's rollout.temperature (training refuses rollout.top_p < 1, where the sampled
+distribution is the renormalised nucleus instead). Greedy decoding (temperature below 1e-6) returns
+the argmax's log_softmax(logits), the temperature-1 log-prob, as SGLang does.
 
 Stopping follows SGLang: a token in stop_token_ids or the model's EOS ids ends a row with "stop"
 (the token is kept, with its log-prob); ignore_eos turns off both; max_new_tokens, or the model's
@@ -27,7 +27,7 @@ max_position_embeddings, ends it with "length". A temperature below 1e-6 decodes
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -50,12 +50,16 @@ def hf_eos_token_ids(hf_config: dict) -> list[int]:
 
 def sample_tokens(logits: torch.Tensor, params: SamplingParams,
                   generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """A token per row of fp32 logits [rows, vocab], and its log-prob under the temperature-1 distribution."""
-    logp = torch.log_softmax(logits, dim=-1)
+    """A token per row of fp32 logits [rows, vocab], and its log-prob as SGLang returns it by default:
+    log_softmax(logits / temperature), before the top_p cut. Greedy (temperature below 1e-6): the argmax and its
+    log_softmax(logits)."""
     if params.temperature < GREEDY_TEMPERATURE:
         token = logits.argmax(dim=-1)
+        logp = torch.log_softmax(logits, dim=-1)
     else:
-        probs = torch.softmax(logits / params.temperature, dim=-1)
+        scaled = logits / params.temperature
+        logp = torch.log_softmax(scaled, dim=-1)
+        probs = torch.softmax(scaled, dim=-1)
         if params.top_p < 1:
             # Keep the most likely tokens until their mass reaches top_p (SGLang's rule).
             sorted_probs, order = probs.sort(dim=-1, descending=True)
@@ -135,11 +139,15 @@ class LocalEngine:
         context.increment_sequence_len_offset(tokens.shape[1])
         return logits[:, -1, : self.vocab_size].float()  # columns past the vocabulary are padding
 
-    def _decode(self, prompts: list[list[int]], n: int, params: SamplingParams,
-                should_stop: Callable[[], bool]) -> Iterator[FinishedRow]:
-        """Decode n rows per prompt together (row r is sample r % n of prompt r // n); rows as they finish."""
+    def _decode(self, prompts: list[list[int]], n: int, params: SamplingParams, should_stop: Callable[[], bool],
+                dropped_rows: Callable[[], Iterable[int]] = tuple) -> Iterator[FinishedRow]:
+        """Decode n rows per prompt together (row r is sample r % n of prompt r // n); rows as they finish.
+        dropped_rows(), asked between decode steps: rows newly cancelled, left out from then on."""
         batch = _DecodeBatch(self, prompts, n, params)
         while not batch.done and not should_stop():
+            batch.drop(dropped_rows())
+            if batch.done:
+                return
             with self._eval_mode():
                 finished = batch.advance(should_stop)
             yield from finished
@@ -177,6 +185,16 @@ class _DecodeBatch:
         self.t = int(self.prompt_len.min())  # the position filled next
         self.logits: torch.Tensor | None = None  # next-token logits of the active rows
         self.done = False
+
+    def drop(self, rows: Iterable[int]) -> None:
+        """Leave these rows out (their group was cancelled): no longer live, they never finish, and the next
+        compaction takes them out of the batch and its KV cache."""
+        rows = sorted(set(rows))
+        if not rows:
+            return
+        self.live &= ~torch.isin(self.active, torch.tensor(rows, dtype=torch.long, device=self.active.device))
+        if not bool(self.live.any()):
+            self.done = True
 
     def advance(self, should_stop: Callable[[], bool]) -> list[FinishedRow]:
         """Decode positions until some rows finish, all are done, or should_stop() is true."""
@@ -224,24 +242,44 @@ class LocalGroupStream:
         self.engine, self.prompts, self.n, self.params = engine, prompts, n, params
         self.weight_version = weight_version
         self.aborted = False
+        self.cancelled: set[int] = set()  # prompt indices whose groups are not wanted any more
 
-    def abort(self) -> None:
-        self.aborted = True
+    def abort(self, indices: Iterable[int] | None = None) -> None:
+        if indices is None:
+            self.aborted = True
+        else:
+            self.cancelled.update(int(i) for i in indices)
 
     def __iter__(self) -> Iterator[list[Sample]]:
-        # Whole groups per batch of rows, so each group completes inside one batch.
-        per_batch = max(1, self.engine.max_batch_rows // self.n)
-        for first in range(0, len(self.prompts), per_batch):
+        # Whole groups per batch of rows, so each group completes inside one batch. A batch takes the next
+        # prompts not cancelled when it starts; a group cancelled later has its rows dropped from the batch.
+        n = self.n
+        per_batch = max(1, self.engine.max_batch_rows // n)
+        left = list(range(len(self.prompts)))
+        while not self.aborted:
+            left = [p for p in left if p not in self.cancelled]
+            if not left:
+                return
+            batch, left = left[:per_batch], left[per_batch:]
+            position = {p: k for k, p in enumerate(batch)}
+            dropped: set[int] = set()
+
+            def newly_cancelled(position=position, dropped=dropped) -> list[int]:
+                new = [p for p in self.cancelled & position.keys() if p not in dropped]
+                dropped.update(new)
+                return [position[p] * n + j for p in new for j in range(n)]
+
             pending: dict[int, list[Sample | None]] = {}
-            for row in self.engine._decode(self.prompts[first : first + per_batch], self.n, self.params,
-                                           lambda: self.aborted):
-                p = first + row.row // self.n
-                group = pending.setdefault(p, [None] * self.n)
+            for row in self.engine._decode([self.prompts[p] for p in batch], n, self.params,
+                                           lambda: self.aborted, newly_cancelled):
+                p = batch[row.row // n]
+                if p in self.cancelled:
+                    pending.pop(p, None)
+                    continue
+                group = pending.setdefault(p, [None] * n)
                 group[row.row % self.n] = Sample(p, row.output_ids, row.logprobs, row.finish_reason,
                                                  self.weight_version)
                 if None not in group:
                     if self.aborted:
                         return
                     yield pending.pop(p)
-            if self.aborted:
-                return

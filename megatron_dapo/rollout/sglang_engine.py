@@ -4,7 +4,8 @@ A group (the n samples of one prompt) is one /generate call carrying n copies of
 request id of ours, which SGLang extends to `<id>_<j>` for sample j: its own n > 1 path gives the samples
 random ids, and an abort must name them (sglang-router passes only a single id through). A call
 comes back whole or fails whole, and only whole groups are handed out, each once: a group whose call
-failed is sent again, under new ids, and never returned twice.
+failed is sent again, under new ids, and never returned twice. A group the consumer cancels
+(`abort([index])`) is aborted on its server if in flight, never sent (again), never handed out.
 
 When a call fails the engine asks whether its server is still there (its process, then /health). If it
 is, the failure was transient: wait (exponential backoff) and try again. If not, the server is restarted
@@ -23,7 +24,7 @@ import time
 import urllib.error
 import uuid
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -34,6 +35,7 @@ from megatron_dapo.rollout.sglang_server import (SGLangServer, SGLangServerConfi
 
 ROUTER_MIN_SERVERS = 4  # `launch` puts this many servers or more behind sglang-router
 ABORT_TIMEOUT_S = 5.0
+_WAKE = object()  # put on a stream's queue so its consumer looks again at what is left
 
 
 class RolloutError(RuntimeError):
@@ -255,7 +257,8 @@ class SGLangGroupStream:
         self._pending = deque(range(len(prompts)))
         self._in_flight: dict[int, tuple[_Server, list[str]]] = {}
         self._done: queue.Queue = queue.Queue()
-        self._remaining = len(prompts)
+        self._remaining = set(range(len(prompts)))  # neither handed out nor cancelled
+        self._cancelled: set[int] = set()
         self._aborted = False
         self._error: BaseException | None = None
         self._workers = [threading.Thread(target=self._work, name=f"{self.id}-w{i}", daemon=True)
@@ -264,13 +267,19 @@ class SGLangGroupStream:
             w.start()
 
     def __iter__(self) -> Iterator[list[Sample]]:
-        while self._remaining > 0:
+        while self._remaining:
             group = None if self._aborted else self._done.get()
             if group is None:  # aborted: by the consumer, or by a group that could not be sampled
                 if self._error is not None:
                     raise self._error
                 return
-            self._remaining -= 1
+            if group is _WAKE:
+                continue
+            with self._lock:
+                index = group[0].prompt_index
+                if index not in self._remaining:  # cancelled after it completed
+                    continue
+                self._remaining.discard(index)
             yield group
 
     def __enter__(self) -> SGLangGroupStream:
@@ -279,7 +288,10 @@ class SGLangGroupStream:
     def __exit__(self, *exc) -> None:
         self.abort()
 
-    def abort(self) -> None:
+    def abort(self, indices: Iterable[int] | None = None) -> None:
+        if indices is not None:
+            self._cancel(indices)
+            return
         with self._lock:
             if self._aborted:
                 return
@@ -290,6 +302,22 @@ class SGLangGroupStream:
             self.engine._abort(in_flight)
         self._done.put(None)
 
+    def _cancel(self, indices: Iterable[int]) -> None:
+        """Cancel some groups: the queued ones are never sent, the ones in flight are aborted on their
+        servers (their workers then drop them, without a retry), the completed ones are never handed out."""
+        with self._lock:
+            if self._aborted:
+                return
+            new = {int(i) for i in indices} & self._remaining
+            if not new:
+                return
+            self._cancelled |= new
+            self._remaining -= new
+            in_flight = [self._in_flight[i] for i in new if i in self._in_flight]
+        if in_flight:
+            self.engine._abort(in_flight)
+        self._done.put(_WAKE)
+
     def _fail(self, error: BaseException) -> None:
         with self._lock:
             if not self._aborted and self._error is None:
@@ -299,6 +327,8 @@ class SGLangGroupStream:
     def _work(self) -> None:
         while True:
             with self._lock:
+                while self._pending and self._pending[0] in self._cancelled:
+                    self._pending.popleft()
                 if self._aborted or not self._pending:
                     return
                 index = self._pending.popleft()
@@ -310,8 +340,12 @@ class SGLangGroupStream:
             if group is not None:
                 self._done.put(group)
 
+    def _dropped(self, index: int) -> bool:
+        return self._aborted or index in self._cancelled
+
     def _sample(self, index: int) -> list[Sample] | None:
-        """One group, tried until it comes back whole; None if the stream was aborted meanwhile."""
+        """One group, tried until it comes back whole; None if the stream was aborted, or the group
+        cancelled, meanwhile."""
         engine = self.engine
         error: BaseException | None = None
         for attempt in range(engine.max_attempts):
@@ -323,14 +357,14 @@ class SGLangGroupStream:
             rids = [f"{rid}_{j}" for j in range(self.n)]  # SGLang's names for the samples of a batch call
             try:
                 with self._lock:
-                    if self._aborted:
+                    if self._dropped(index):
                         return None
                     self._in_flight[index] = (server, rids)
                 out = engine._post_group(server, index, self.prompts[index], self.n, self.params, rid)
                 error = None
             except urllib.error.HTTPError as e:
                 out, error = None, e
-                if e.code < 500 and e.code != 429 and not self._aborted:
+                if e.code < 500 and e.code != 429 and not self._dropped(index):
                     raise RolloutError(f"SGLang refused the group of prompt {index} ({e.code}): "
                                        f"{_error_body(e)}") from e
             except (OSError, http.client.HTTPException) as e:  # refused, reset, cut short, timed out
@@ -340,7 +374,7 @@ class SGLangGroupStream:
                     self._in_flight.pop(index, None)
                 engine._release(server)
                 engine._slots.release()
-            if self._aborted:
+            if self._dropped(index):
                 return None
             if error is None:
                 samples = _parse_group(index, out, self.n)

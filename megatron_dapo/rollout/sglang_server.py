@@ -176,9 +176,14 @@ class SGLangServer(ServerProcess):
 
     def environment(self) -> dict[str, str]:
         env = dict(os.environ)
-        # Log-probs at temperature 1, whatever the sampling temperature: what the policy recomputes (and the
-        # local engine returns). SGLang's default is log_softmax(logits / temperature).
-        env["SGLANG_RETURN_ORIGINAL_LOGPROB"] = "1"
+        # SGLang's default log-probs, which the policy recomputes at rollout.temperature (and the local engine
+        # returns): in SGLang 0.5.23 (srt/layers/sampler.py, Sampler.forward) a sampled token's log-prob is
+        # log(softmax(logits / temperature)), taken from the probabilities before the top_p / top_k / min_p cut
+        # and without renormalising over what survives it (with --enable-deterministic-inference:
+        # log_softmax(logits / temperature), the same quantity); greedy requests (temperature < 1e-6, turned into
+        # top_k = 1) get log_softmax(logits). SGLANG_RETURN_ORIGINAL_LOGPROB=1 would return log_softmax(logits)
+        # whatever the temperature: dropped from the environment here, so a caller's setting cannot leak in.
+        env.pop("SGLANG_RETURN_ORIGINAL_LOGPROB", None)
         if self.config.device == "cpu":
             env["SGLANG_USE_CPU_ENGINE"] = "1"  # without it SGLang does not take its CPU path
             env["PYTHONPATH"] = os.pathsep.join(p for p in (str(CPU_SHIM), env.get("PYTHONPATH")) if p)

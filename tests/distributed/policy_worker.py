@@ -127,7 +127,8 @@ def folder_round_trip_cases(out_dir: str, seqs) -> dict:
 
 
 def vocab_parallel_gradient_case(world: int) -> dict:
-    """Log-prob gradients with the vocabulary split over TP ranks equal the full-softmax gradients."""
+    """Log-probs, entropies and log-prob gradients of softmax(x / T) with the vocabulary split over TP ranks equal
+    the full-softmax ones (float64 log_softmax(x / T)), at temperature 1 and 0.7."""
     from megatron.core import parallel_state
 
     from megatron_dapo.policy.logprobs import vocab_parallel_logprobs
@@ -139,18 +140,27 @@ def vocab_parallel_gradient_case(world: int) -> dict:
     full = torch.randn(50, padded, generator=g, dtype=torch.float64) * 3
     targets = torch.randint(0, vocab, (50,), generator=g)
     weights = torch.randn(50, generator=g, dtype=torch.float64)
-    ref = full[:, :vocab].clone().requires_grad_()
-    (torch.log_softmax(ref, -1).gather(1, targets[:, None]).squeeze(1) * weights).sum().backward()
     rank = parallel_state.get_tensor_model_parallel_rank()
     cols = padded // tp
-    local = full[:, rank * cols:(rank + 1) * cols].to(device).requires_grad_()
-    logp, _ = vocab_parallel_logprobs(local, targets.to(device), vocab_start=rank * cols, vocab_size=vocab,
-                                      group=parallel_state.get_tensor_model_parallel_group())
-    (logp * weights.to(device)).sum().backward()
-    expected = torch.cat([ref.grad, torch.zeros(50, padded - vocab, dtype=torch.float64)], 1)
-    err = (local.grad.cpu() - expected[:, rank * cols:(rank + 1) * cols]).abs().max().item()
+    results = {}
+    for temperature, name in ((1.0, f"logprob-grad-tp{tp}-rank{rank}"), (0.7, f"logprob-grad-tp{tp}-t0.7-rank{rank}")):
+        ref = full[:, :vocab].clone().requires_grad_()
+        ref_all = torch.log_softmax(ref / temperature, -1)
+        ref_logp = ref_all.gather(1, targets[:, None]).squeeze(1)
+        (ref_logp * weights).sum().backward()
+        local = full[:, rank * cols:(rank + 1) * cols].to(device).requires_grad_()
+        logp, entropy = vocab_parallel_logprobs(local, targets.to(device), vocab_start=rank * cols, vocab_size=vocab,
+                                                group=parallel_state.get_tensor_model_parallel_group(),
+                                                temperature=temperature)
+        (logp * weights.to(device)).sum().backward()
+        expected = torch.cat([ref.grad, torch.zeros(50, padded - vocab, dtype=torch.float64)], 1)
+        results[name] = {
+            "max_abs_grad": (local.grad.cpu() - expected[:, rank * cols:(rank + 1) * cols]).abs().max().item(),
+            "max_abs_logp": (logp.detach().cpu() - ref_logp.detach()).abs().max().item(),
+            "max_abs_entropy": (entropy.cpu() + (ref_all.exp() * ref_all).sum(-1).detach()).abs().max().item(),
+        }
     reset_parallel_layout()
-    return {f"logprob-grad-tp{tp}-rank{rank}": {"max_abs_grad": err}}
+    return results
 
 
 def main(out_dir: str) -> None:

@@ -1,7 +1,9 @@
 """torchrun worker: the Megatron policy recomputes the log-probs of tokens SGLang sampled.
 
-argv: OUT_JSON MODEL_DIR SAMPLES_JSON TP; SAMPLES_JSON holds [{prompt, output, logprobs}, ...].
-Writes {"max_abs_diff", "tokens"} from global rank 0 (a last-stage rank when PP = 1).
+argv: OUT_JSON MODEL_DIR SAMPLES_JSON TP [TEMPERATURE]; SAMPLES_JSON holds [{prompt, output, logprobs}, ...] sampled
+at TEMPERATURE (default 1). Writes {"max_abs_diff", "max_abs_diff_untempered", "tokens"} from global rank 0 (a
+last-stage rank when PP = 1): the largest |SGLang - policy| at TEMPERATURE (the old log-probs the trainer computes),
+and at temperature 1.
 """
 
 import json
@@ -20,7 +22,7 @@ from megatron_dapo.policy.model import build_model
 from megatron_dapo.runtime import init_runtime, shutdown_runtime
 
 
-def main(out_json, model_dir, samples_json, tp):
+def main(out_json, model_dir, samples_json, tp, temperature="1.0"):
     parallel = ParallelConfig(tensor_parallel=int(tp), device="cpu")
     runtime = init_runtime(parallel)
     ckpt = HFCheckpoint(model_dir)
@@ -30,13 +32,20 @@ def main(out_json, model_dir, samples_json, tp):
     load_hf_weights(model, ckpt.get, spec, parallel)
     samples = json.loads(open(samples_json).read())
     seqs = [Sequence(torch.tensor(s["prompt"] + s["output"]), len(s["prompt"])) for s in samples]
-    out = response_logprobs(model.eval(), seqs, vocab_size=spec.vocab_size, max_positions=spec.max_position_embeddings,
-                            max_tokens_per_micro_batch=512, device=runtime.device)
-    diff = max((o[0].double().cpu() - torch.tensor(s["logprobs"], dtype=torch.float64)).abs().max().item()
-               for o, s in zip(out, samples))
+
+    def max_diff(t: float) -> float:
+        out = response_logprobs(model.eval(), seqs, vocab_size=spec.vocab_size,
+                                max_positions=spec.max_position_embeddings, max_tokens_per_micro_batch=512,
+                                device=runtime.device, temperature=t)
+        return max((o[0].double().cpu() - torch.tensor(s["logprobs"], dtype=torch.float64)).abs().max().item()
+                   for o, s in zip(out, samples))
+
+    diff = max_diff(float(temperature))
+    untempered = max_diff(1.0)
     if dist.get_rank() == 0:
         with open(out_json, "w") as f:
-            json.dump({"max_abs_diff": diff, "tokens": sum(len(s["output"]) for s in samples)}, f)
+            json.dump({"max_abs_diff": diff, "max_abs_diff_untempered": untempered,
+                       "tokens": sum(len(s["output"]) for s in samples)}, f)
     shutdown_runtime()
 
 

@@ -63,11 +63,12 @@ def run_layout(out_dir, tp, pp, hf, spec):
     metrics = reduce_mismatch(sums, abs_max)
     old_err = max((s.old_logp.double().cpu() - r).abs().max().item() for s, r in zip(samples, reference))
     ref_err = max((s.ref_logp.double().cpu() - r).abs().max().item() for s, r in zip(samples, reference))
-    on_device = all(t.is_cuda for s in samples for t in (s.old_logp, s.advantages, s.loss_mask, s.ref_logp))
+    on_device = all(t.is_cuda for s in samples
+                    for t in (s.old_logp, s.advantages, s.loss_mask, s.loss_weight, s.ref_logp))
     if dist.get_rank() == 0:
         record = {"old_logp_err": old_err, "ref_logp_err": ref_err, "on_device": on_device,
-                  "loss_mask_dtype": str(samples[0].loss_mask.dtype),
-                  "left_out_masked": bool((samples[1].loss_mask == 0).all()),
+                  "dtypes": [str(samples[0].loss_mask.dtype), str(samples[0].loss_weight.dtype)],
+                  "left_out_masked": not bool(samples[1].loss_mask.any()),
                   "metrics": metrics, "expected": expected}
         with open(os.path.join(out_dir, f"tp{tp}-pp{pp}.json"), "w") as f:
             json.dump(record, f)

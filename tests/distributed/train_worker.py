@@ -76,6 +76,35 @@ class CheckpointCounter:
         self.module.checkpoint = self.original
 
 
+def tis_normaliser_case(out_dir, spec, hf):
+    """Truncated-IS weights of 0 on the second half of every response, against those tokens left out of the
+    loss: same summed loss, but the weighted tokens still count in the normaliser, so the gradient is the
+    left-out one's times (tokens in the first halves / all tokens)."""
+    parallel = ParallelConfig(device="cpu", seed=7)
+    runtime = init_runtime(parallel)
+    optim = OptimConfig(lr=1e3, adam_eps=1e3, warmup_steps=0, weight_decay=0.0, clip_grad=0.0)
+    norms, counts = {}, {}
+    for case in ("weighted", "left_out"):
+        trainer = PolicyTrainer(spec, parallel, runtime.device, optim, LossConfig(), 100000)
+        load_hf_weights(trainer.module, hf.state_dict().__getitem__, spec, parallel)
+        samples = []
+        for s in batch(hf):
+            n = s.sequence.response_len
+            first = torch.arange(n) < (n + 1) // 2
+            if case == "weighted":
+                s = RolloutSample(s.sequence, s.old_logp, s.advantages, torch.ones(n, dtype=torch.bool),
+                                  loss_weight=first.float())
+            else:
+                s = RolloutSample(s.sequence, s.old_logp, s.advantages, first)
+            samples.append(s)
+        norms[case] = trainer.step(samples).grad_norm
+        counts[case] = int(sum(s.loss_mask.sum() for s in samples))
+        del trainer
+    with open(os.path.join(out_dir, "tis.json"), "w") as f:
+        json.dump({"grad_norms": norms, "loss_tokens": counts}, f)
+    reset_parallel_layout()
+
+
 def run_layout(out_dir, layout, spec, hf):
     from megatron.core import parallel_state
 
@@ -132,7 +161,10 @@ def main(out_dir, layouts):
     hf, cfg = hf_model("qwen2")
     spec = model_spec_from_hf(cfg)
     for layout in layouts:
-        run_layout(out_dir, layout, spec, hf)
+        if layout == "tis":
+            tis_normaliser_case(out_dir, spec, hf)
+        else:
+            run_layout(out_dir, layout, spec, hf)
     shutdown_runtime()
 
 

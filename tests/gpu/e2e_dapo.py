@@ -51,7 +51,8 @@ def dapo_config(task: Path, out: Path, device: str, steps: int) -> dict:
                       "max_response_len": 8, "overlong_cache_len": 2},
         "optim": {"lr": 1e-3, "warmup_steps": 0, "weight_decay": 0.0},
         "train": {"steps": steps, "updates_per_step": 2, "output_dir": str(out / "dapo"), "checkpoint_every": 0,
-                  "keep_last": 1, "eval_every": 0, "tensorboard": False, "resume": False},
+                  "keep_last": 1, "tensorboard": False, "resume": False},
+        "eval": {"every": 0},
     }
 
 
