@@ -29,6 +29,7 @@ from megatron_dapo.checkpoint.trainer_checkpoint import latest_checkpoint, load_
 from megatron_dapo.data.prompt_file import drop_duplicate_rows, load_prompt_rows
 from megatron_dapo.data.prompt_sampler import PromptSampler
 from megatron_dapo.data.prompt_source import PromptSource
+from megatron_dapo.evaluation import eval_params, evaluate
 from megatron_dapo.metrics_log import MetricsLogger
 from megatron_dapo.ops import STAT_NAMES
 from megatron_dapo.policy.hf_config import model_spec_from_hf
@@ -335,18 +336,11 @@ class DapoTrainer:
     def _evaluate(self) -> dict[str, float]:
         e = self.cfg.eval
         encoded = [(r, self.prompts.encode(r)) for r in self.eval_rows[: e.max_prompts]]
-        rows, prompts = [r for r, ids in encoded if ids is not None], [ids for _, ids in encoded if ids is not None]
-        if not rows:
-            return {}
-        k = e.samples_per_prompt
-        params = SamplingParams(temperature=e.temperature, top_p=e.top_p, seed=e.seed,
-                                max_new_tokens=e.max_response_len or self.cfg.algorithm.max_response_len)
-        groups = self.engine.generate(prompts, k, params)
-        texts = [self.tokenizer.decode(s.output_ids, skip_special_tokens=True) for g in groups for s in g]
-        verdicts = self.reward_pool.score(texts, [r.ground_truth for r, g in zip(rows, groups) for _ in g])
-        right = [[v.correct for v in verdicts[i * k:(i + 1) * k]] for i in range(len(rows))]
-        return {f"eval/avg@{k}": sum(map(sum, right)) / (k * len(rows)),  # the mean accuracy of one sample
-                f"eval/pass@{k}": sum(map(any, right)) / len(rows)}  # a prompt solved by any of its k samples
+        kept = [(r.ground_truth, ids) for r, ids in encoded if ids is not None]
+        return evaluate(self.engine, self.reward_pool.score,
+                        lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True),
+                        [ids for _, ids in kept], [t for t, _ in kept],
+                        eval_params(e, self.cfg.algorithm.max_response_len), e.samples_per_prompt)
 
     def save_checkpoint(self) -> None:
         extra = {"step": self.step_index, "sampler": self.sampler.state_dict() if self.driver else None,

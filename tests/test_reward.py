@@ -138,6 +138,29 @@ def test_hung_sympy_call_is_killed_and_scored_wrong(pool, caplog):
     assert pool.score(["Answer: 34"] * 4, ["34"] * 4) == [Verdict(True, "ok")] * 4
 
 
+def test_an_answer_that_hangs_mid_batch_costs_only_itself(pool):
+    """Answers go to a worker in batches; the limit is still per answer, and the rest of a lost batch is judged."""
+    pool.wait_until_ready()
+    pids_before = set(pool.worker_pids())
+    responses = [f"Answer: {i}" for i in range(10)]
+    responses[2] = HANG  # the third answer of the first worker's batch of five
+    verdicts = pool.score(responses, [str(i) for i in range(10)])
+    assert verdicts[2] == Verdict(False, "timeout")
+    assert verdicts[:2] + verdicts[3:] == [Verdict(True, "ok")] * 9
+    assert len(pids_before - set(pool.worker_pids())) == 1
+
+
+def test_each_distinct_answer_is_judged_once(pool):
+    """Responses giving the same final answer to the same problem share one judgement: three hung responses
+    cost one worker and one timeout, not three (or both workers)."""
+    pool.wait_until_ready()
+    pids_before = set(pool.worker_pids())
+    tail = "\n".join(["Some reasoning."] * 3)
+    verdicts = pool.score([HANG, "Other words. " + HANG, tail + HANG, "Answer: 5"], ["7", "7", "7", "5"])
+    assert verdicts == [Verdict(False, "timeout")] * 3 + [Verdict(True, "ok")]
+    assert len(pids_before - set(pool.worker_pids())) == 1
+
+
 def test_pool_survives_an_idle_worker_killed_from_outside(pool):
     assert pool.score(["Answer: 1"], ["1"]) == [Verdict(True, "ok")]
     victim = pool.worker_pids()[0]
@@ -192,7 +215,7 @@ def test_bad_inputs_are_refused(pool):
     ("timeout_s", 0), ("timeout_s", -1.0), ("timeout_s", float("inf")), ("timeout_s", float("nan")),
     ("timeout_s", "10"), ("timeout_s", True),
     ("tail_chars", 0), ("tail_chars", 500.0), ("tail_chars", None),
-    ("startup_timeout_s", 0),
+    ("startup_timeout_s", 0), ("max_answers_per_message", 0), ("max_answers_per_message", 2.0),
 ])
 def test_bad_config_names_the_key(key, value):
     with pytest.raises(ConfigError, match=f"^reward.{key}: "):
