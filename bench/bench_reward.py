@@ -155,7 +155,8 @@ def main() -> None:
     rng = random.Random(0)
     print(f"== reward: wall ms per response, {args.groups} groups x {args.group} responses of {args.chars} chars, "
           f"{args.workers} workers ==")
-    print(f"{'workload':<18}{'calls':<10}" + "".join(f"{name:>28}" for name, _ in columns) + f"{'before/RewardPool':>20}")
+    header = "".join(f"{name:>28}" for name, _ in columns)
+    print(f"{'workload':<18}{'calls':<10}{header}{'before/RewardPool':>20}")
     for kind in ("group answers", "symbolic", "distinct"):
         for calls, per_group in (("per group", True), ("one call", False)):
             ms = [_cell(make, _workload(rng, kind, 8, args.group, args.chars),

@@ -5,10 +5,11 @@ each; rewards (+1 / -1 and the soft overlong penalty) are normalised inside the 
 advantages; groups that are all right or all wrong are dropped and sampling goes on until the batch
 is full (dynamic sampling); the policy recomputes the old log-probs; the batch is cut into
 mini-batches, each one optimizer step of the fused clipped token-level loss; the new weights go to
-the inference engine. Global rank 0 (the driver) runs the rollout and hands the kept batch to every
-rank, which wait for it outside any collective (a paper-scale rollout outlasts any collective's
-watchdog); everything after that is collective. Colocated servers (rollout.colocate) release their
-memory once the rollout is done and take it back around the weight sync.
+the inference engine. Global rank 0 (the driver) runs the rollout and hands each rank its
+data-parallel share of the kept batch; the other ranks wait for it outside any collective (a
+paper-scale rollout outlasts any collective's watchdog); everything after that is collective.
+Colocated servers (rollout.colocate) release their memory once the rollout is done and take it back
+around the weight sync.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import logging
 import math
 import time
 from contextlib import contextmanager
+from datetime import timedelta
 from pathlib import Path
 
 import torch.distributed as dist
@@ -25,7 +27,11 @@ import torch.distributed as dist
 from megatron_dapo.algorithm import DynamicSampler
 from megatron_dapo.checkpoint.hf_weights import load_hf_weights
 from megatron_dapo.checkpoint.safetensors_io import HFCheckpoint
-from megatron_dapo.checkpoint.trainer_checkpoint import latest_checkpoint, load_trainer_checkpoint, save_trainer_checkpoint
+from megatron_dapo.checkpoint.trainer_checkpoint import (
+    latest_checkpoint,
+    load_trainer_checkpoint,
+    save_trainer_checkpoint,
+)
 from megatron_dapo.data.prompt_file import drop_duplicate_rows, load_prompt_rows
 from megatron_dapo.data.prompt_sampler import PromptSampler
 from megatron_dapo.data.prompt_source import PromptSource
@@ -33,16 +39,18 @@ from megatron_dapo.evaluation import eval_params, evaluate
 from megatron_dapo.metrics_log import MetricsLogger
 from megatron_dapo.ops import STAT_NAMES
 from megatron_dapo.policy.hf_config import model_spec_from_hf
-from megatron_dapo.policy.model import build_model
 from megatron_dapo.policy.mismatch import reduce_mismatch
+from megatron_dapo.policy.model import build_model
 from megatron_dapo.policy.rollout_samples import training_samples
 from megatron_dapo.policy.train_step import PolicyTrainer
+from megatron_dapo.rank_shares import PackedShare, deal_by_tokens
 from megatron_dapo.reward import RewardPool
 from megatron_dapo.rollout.engine import SamplingParams, sample_seed
 from megatron_dapo.rollout.server_memory import ServerMemory
 from megatron_dapo.run_config import DapoConfig
 from megatron_dapo.runtime import DriverSignal, init_runtime, shutdown_runtime
-from megatron_dapo.samples import PromptItem, data_parallel_share, split_even
+from megatron_dapo.samples import PromptItem
+from megatron_dapo.share_scatter import ShareScatter
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +76,8 @@ class DapoTrainer:
         self.signal = DriverSignal()  # the driver's word to the ranks waiting on its rollout
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.dp_size = parallel_state.get_data_parallel_world_size()
+        # The driver hands each rank its share of the batch.
+        self.scatter = ShareScatter(self.dp_rank, timedelta(minutes=cfg.parallel.distributed_timeout_minutes))
         cfg.algorithm.check_data_parallel(self.dp_size)
         hf = HFCheckpoint(cfg.model.path)
         self.hf_config = hf.config
@@ -215,24 +225,24 @@ class DapoTrainer:
         self.signal.post("resync")
         self.sync_weights()
 
-    def _rollout(self):
-        """Driver: dynamic sampling. Every rank: the kept batch (responses, in the same order everywhere)."""
+    def _rollout(self) -> tuple[PackedShare, dict[str, float]]:
+        """Driver: dynamic sampling, and the metrics of the step so far. Every rank: its data-parallel share of
+        the kept batch (share_scatter.py; {} for metrics off the driver)."""
         if self.driver:
             # Seeds from (run seed, step): a resumed run samples what the uninterrupted one did.
             self.dynamic_sampler.params = dataclasses.replace(
                 self.params, seed=sample_seed(self.cfg.parallel.seed, self.step_index))
             batch = self.dynamic_sampler.collect()
+            items = batch.train_items()
             metrics = {**batch.metrics.as_dict(), "prompts_too_long": self.prompts.too_long,
+                       "batch_tokens": float(sum(len(it.prompt_ids) + len(it.output_ids) for it in items)),
                        **_oldest_weight_version(batch)}
             self.signal.post("batch")
-            box = [(batch.train_items(), metrics)]
-            dist.broadcast_object_list(box, src=0)
-            return box[0]
+            shares = deal_by_tokens(items, self.dp_size, self.cfg.train.updates_per_step)
+            return self.scatter.send([PackedShare.pack(share) for share in shares]), metrics
         while self.signal.wait() == "resync":  # a restarted server needs the weights: every rank joins the sync
             self.sync_weights()
-        box = [None]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
+        return self.scatter.receive(), {}
 
     # -- the step ------------------------------------------------------------------------------------
 
@@ -241,14 +251,13 @@ class DapoTrainer:
         timer = StepTimer()
         start = time.perf_counter()
         with timer("rollout"):
-            items, metrics = self._rollout()
+            share, metrics = self._rollout()
         if self.server_memory is not None:  # colocated: the servers' memory is the trainer's until the sync
             with timer("release"):
                 self.server_memory.release()
         train_metrics = {}
-        if items:
+        if len(share):
             with timer("old_logprob"):
-                share = data_parallel_share(items, self.dp_rank, self.dp_size)
                 samples, sums, abs_max = training_samples(
                     self.policy.module.eval(), self.reference, share, spec=self.spec,
                     max_tokens_per_micro_batch=self.cfg.model.max_tokens_per_micro_batch, device=self.runtime.device,
@@ -256,7 +265,7 @@ class DapoTrainer:
                 self.policy.module.train()
             with timer("train"):
                 self.policy.begin_rollout_step(self.step_index)  # the LR warmup counts rollout steps
-                results = [self.policy.step(mini) for mini in self._mini_batches(samples)]
+                results = [self.policy.step(update) for update in self._updates(samples, share)]
             train_metrics = self._train_metrics(results, sums, abs_max)
         if self.server_memory is not None:
             with timer("resume"):
@@ -267,22 +276,22 @@ class DapoTrainer:
         if self.server_memory is not None:
             with timer("resume"):
                 self.server_memory.resume_caches()
-        tokens = sum(len(it.prompt_ids) + len(it.output_ids) for it in items)
         step_s = time.perf_counter() - start
-        metrics.update(train_metrics, tokens_per_s=tokens / step_s, **{"time/step": step_s},
+        metrics.update(train_metrics, tokens_per_s=metrics.get("batch_tokens", 0.0) / step_s, **{"time/step": step_s},
                        **{f"time/{k}": v for k, v in timer.seconds.items()})
         return metrics
 
-    def _mini_batches(self, samples: list) -> list[list]:
-        """This rank's share cut into train.updates_per_step mini-batches; fewer (one response each) when the
-        share is smaller, which is said once (all data-parallel shares are the same size)."""
+    def _updates(self, samples: list, share: PackedShare) -> list[list]:
+        """This rank's samples cut into the step's updates (rank_shares.deal_by_tokens); fewer than
+        train.updates_per_step when the batch has fewer responses per rank, which is said once."""
+        sizes = share.update_sizes.tolist()
         wanted = self.cfg.train.updates_per_step
-        if len(samples) < wanted and not self.warned_fewer_updates:
+        if len(sizes) < wanted and not self.warned_fewer_updates:
             self.warned_fewer_updates = True
             log.warning("step %d: %d responses per data-parallel rank, fewer than train.updates_per_step = %d: %d "
                         "updates this step (said once); a batch that small trains on little", self.step_index + 1,
-                        len(samples), wanted, len(samples))
-        return split_even(samples, wanted)
+                        len(sizes), wanted, len(sizes))
+        return [samples[sum(sizes[:j]):sum(sizes[:j + 1])] for j in range(len(sizes))]
 
     def _train_metrics(self, results, sums, abs_max) -> dict[str, float]:
         m = reduce_mismatch(sums, abs_max)

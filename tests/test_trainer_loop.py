@@ -148,13 +148,20 @@ def test_fewer_updates_than_updates_per_step_are_said_once_with_the_numbers(capl
 
     from megatron_dapo.trainer import DapoTrainer
 
+    from megatron_dapo.rank_shares import PackedShare, deal_by_tokens
+    from megatron_dapo.samples import TrainItem
+
+    def cut(n):  # a one-rank share of n responses, cut as the trainer cuts it
+        share = PackedShare.pack(deal_by_tokens([TrainItem([1], [2], [-0.5], 1.0, True)] * n, 1, 4)[0])
+        return [len(u) for u in trainer._updates(list(range(n)), share)]
+
     trainer = DapoTrainer.__new__(DapoTrainer)  # only the step's cutting, no runtime
     trainer.cfg = SimpleNamespace(train=SimpleNamespace(updates_per_step=4))
     trainer.step_index, trainer.warned_fewer_updates = 6, False
     with caplog.at_level("WARNING"):
-        assert [len(m) for m in trainer._mini_batches(list(range(8)))] == [2, 2, 2, 2]
-        assert [len(m) for m in trainer._mini_batches([0, 1])] == [1, 1]
-        assert [len(m) for m in trainer._mini_batches([0])] == [1]
+        assert cut(8) == [2, 2, 2, 2]
+        assert cut(2) == [1, 1]
+        assert cut(1) == [1]
     said = [r.message for r in caplog.records if "updates_per_step" in r.message]
     assert said == ["step 7: 2 responses per data-parallel rank, fewer than train.updates_per_step = 4: 2 updates "
                     "this step (said once); a batch that small trains on little"]

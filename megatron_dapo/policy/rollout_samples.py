@@ -17,7 +17,7 @@ from megatron_dapo.policy.batch import Sequence
 from megatron_dapo.policy.forward import response_logprobs, to_every_stage
 from megatron_dapo.policy.mismatch import MISMATCH_KEYS, mismatch_sums, tis_weights
 from megatron_dapo.policy.train_step import RolloutSample
-from megatron_dapo.samples import TrainItem
+from megatron_dapo.rank_shares import PackedShare
 
 
 def _flat_logprobs(model, seqs: list[Sequence], numel: int, device: torch.device, **kwargs):
@@ -29,30 +29,30 @@ def _flat_logprobs(model, seqs: list[Sequence], numel: int, device: torch.device
     return to_every_stage(torch.cat([o[0] for o in out]), numel, device), torch.cat([o[1] for o in out])
 
 
-def training_samples(model, reference, items: list[TrainItem], *, spec, max_tokens_per_micro_batch: int,
+def training_samples(model, reference, share: PackedShare, *, spec, max_tokens_per_micro_batch: int,
                      device: torch.device, tis_cap: float | None, temperature: float = 1.0
                      ) -> tuple[list[RolloutSample], torch.Tensor, torch.Tensor]:
-    """RolloutSamples for `items` (this rank's share), on `device`; and this rank's mismatch sums
+    """RolloutSamples for `share` (this rank's responses), on `device`; and this rank's mismatch sums
     (MISMATCH_KEYS) and largest |log pi_old - log pi_rollout| over its loss tokens (zeros on all but one
     rank per data-parallel replica, so that world-wide sums count every response once). `temperature`:
     rollout.temperature, at which the old (and reference) log-probs and entropies are computed."""
     from megatron.core import parallel_state
 
-    seqs = [Sequence(torch.tensor(it.prompt_ids + it.output_ids, dtype=torch.long), len(it.prompt_ids))
-            for it in items]
-    lengths = [len(it.output_ids) for it in items]
+    seqs = [Sequence(tokens.long(), prompt_len)
+            for tokens, prompt_len in zip(share.sequences(), share.prompt_lens.tolist())]
+    lengths = share.output_lens.tolist()
     numel = sum(lengths)
     kwargs = dict(vocab_size=spec.vocab_size, max_positions=spec.max_position_embeddings,
                   max_tokens_per_micro_batch=max_tokens_per_micro_batch, temperature=temperature)
     old, entropy = _flat_logprobs(model, seqs, numel, device, **kwargs)
     ref = _flat_logprobs(reference, seqs, numel, device, **kwargs)[0] if reference is not None else None
 
-    per_token = torch.tensor(lengths, device=device)
-    rollout = torch.cat([torch.tensor(it.rollout_logp, dtype=torch.float64) for it in items]).to(device)
-    advantages = torch.tensor([it.advantage for it in items], dtype=torch.float32, device=device)
-    in_loss = torch.tensor([it.in_loss for it in items], device=device).repeat_interleave(per_token)
+    per_token = share.output_lens.to(device)
+    rollout = share.rollout_logp.to(device)
+    advantages = share.advantages.to(device, torch.float32)
+    in_loss = share.in_loss.to(device).repeat_interleave(per_token)
     log_ratio = old.double() - rollout  # log pi_old / pi_rollout
-    none = [None] * len(items)
+    none = [None] * len(share)
     weights = tis_weights(log_ratio, tis_cap).float().split(lengths) if tis_cap is not None else none
     samples = [RolloutSample(seq, lp, adv, mask, r, w)
                for seq, lp, adv, mask, r, w in zip(

@@ -20,6 +20,7 @@ from megatron_dapo.policy.mismatch import reduce_mismatch
 from megatron_dapo.policy.model import build_model
 from megatron_dapo.policy.rollout_samples import training_samples
 from megatron_dapo.runtime import init_runtime, reset_parallel_layout, shutdown_runtime
+from megatron_dapo.rank_shares import PackedShare
 from megatron_dapo.samples import TrainItem
 
 TIS_CAP = 1.05
@@ -58,7 +59,7 @@ def run_layout(out_dir, tp, pp, hf, spec):
         load_hf_weights(model, hf.state_dict().__getitem__, spec, parallel)
         stages.append(model.eval())
     items, expected, reference = items_and_expected(hf)
-    samples, sums, abs_max = training_samples(stages[0], stages[1], items, spec=spec, max_tokens_per_micro_batch=100,
+    samples, sums, abs_max = training_samples(stages[0], stages[1], PackedShare.pack([items]), spec=spec, max_tokens_per_micro_batch=100,
                                               device=runtime.device, tis_cap=TIS_CAP)
     metrics = reduce_mismatch(sums, abs_max)
     old_err = max((s.old_logp.double().cpu() - r).abs().max().item() for s, r in zip(samples, reference))

@@ -1,0 +1,91 @@
+"""How the kept batch is dealt out to data-parallel ranks, and the packed form a rank's share travels in.
+
+The batch (responses in draw order) is cut into the step's updates as contiguous runs, the same runs whatever
+the data-parallel size; inside each run, every response goes to the rank with the fewest tokens so far (longest
+first), so that ranks finish their forward and backward together however long the responses are. Every rank
+gets at least one response per update. A rank's share travels as a few flat host tensors (PackedShare), not as
+Python lists: at the paper's scale a batch holds ~40M tokens.
+"""
+
+from __future__ import annotations
+
+import array
+import heapq
+from dataclasses import dataclass, fields
+
+import torch
+
+from megatron_dapo.samples import TrainItem
+
+
+def deal_by_tokens(items: list[TrainItem], dp_size: int, updates: int) -> list[list[list[TrainItem]]]:
+    """shares[r][j]: the responses data-parallel rank r trains on in update j (min(updates, len / dp_size)
+    updates), each in draw order."""
+    if len(items) % dp_size:
+        raise ValueError(f"{len(items)} responses do not divide across {dp_size} data-parallel ranks")
+    per_rank = len(items) // dp_size
+    count = min(updates, per_rank)
+    bounds = [dp_size * round(j * per_rank / count) for j in range(count + 1)] if count else [0]
+    shares: list[list[list[TrainItem]]] = [[] for _ in range(dp_size)]
+    for j in range(count):
+        run = range(bounds[j], bounds[j + 1])
+        loads = [(0, 0, r) for r in range(dp_size)]  # (tokens, responses, rank): the least loaded first
+        dealt: list[list[int]] = [[] for _ in range(dp_size)]
+        for i in sorted(run, key=lambda i: -_tokens(items[i])):
+            tokens, n, r = heapq.heappop(loads)
+            dealt[r].append(i)
+            heapq.heappush(loads, (tokens + _tokens(items[i]), n + 1, r))
+        for r in range(dp_size):
+            shares[r].append([items[i] for i in sorted(dealt[r])])
+    return shares
+
+
+def _tokens(item: TrainItem) -> int:
+    return len(item.prompt_ids) + len(item.output_ids)
+
+
+@dataclass
+class PackedShare:
+    """One data-parallel rank's responses as flat host tensors."""
+
+    tokens: torch.Tensor  # int32 [sum(prompt_lens + output_lens)]: each response's prompt ids, then its output ids
+    prompt_lens: torch.Tensor  # int64 [n]
+    output_lens: torch.Tensor  # int64 [n]
+    rollout_logp: torch.Tensor  # float64 [sum(output_lens)]: the engine's log-prob of each output token
+    advantages: torch.Tensor  # float64 [n]
+    in_loss: torch.Tensor  # bool [n]: False for a response left out of the loss (overlong filtering)
+    update_sizes: torch.Tensor  # int64 [updates]: responses per update, in order
+
+    @classmethod
+    def pack(cls, updates: list[list[TrainItem]]) -> PackedShare:
+        items = [it for update in updates for it in update]
+
+        def flat(rows, code: str, dtype: torch.dtype) -> torch.Tensor:
+            # Through array.array: about 3x faster than torch.tensor(list) at ~40M tokens.
+            out = array.array(code)
+            for row in rows:
+                out.extend(row)
+            return torch.frombuffer(out, dtype=dtype).clone() if out else torch.empty(0, dtype=dtype)
+
+        return cls(
+            tokens=flat((ids for it in items for ids in (it.prompt_ids, it.output_ids)), "i", torch.int32),
+            prompt_lens=torch.tensor([len(it.prompt_ids) for it in items], dtype=torch.int64),
+            output_lens=torch.tensor([len(it.output_ids) for it in items], dtype=torch.int64),
+            rollout_logp=flat((it.rollout_logp for it in items), "d", torch.float64),
+            advantages=torch.tensor([it.advantage for it in items], dtype=torch.float64),
+            in_loss=torch.tensor([it.in_loss for it in items], dtype=torch.bool),
+            update_sizes=torch.tensor([len(u) for u in updates], dtype=torch.int64))
+
+    def __len__(self) -> int:
+        return self.prompt_lens.numel()
+
+    def sequences(self) -> list[torch.Tensor]:
+        """Each response's prompt + output ids (views into `tokens`)."""
+        return list(self.tokens.split((self.prompt_lens + self.output_lens).tolist()))
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [getattr(self, f.name) for f in fields(self)]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())

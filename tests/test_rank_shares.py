@@ -1,0 +1,76 @@
+"""The kept batch dealt to data-parallel ranks by tokens, packed, and scattered: each rank gets its share only."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from torchrun_launch import torchrun
+
+from megatron_dapo.rank_shares import PackedShare, deal_by_tokens
+from megatron_dapo.samples import TrainItem
+
+sys.path.insert(0, str(Path(__file__).parent / "distributed"))
+from share_scatter_worker import DP, UPDATES, batch  # noqa: E402
+
+
+def item(i: int, n: int) -> TrainItem:
+    return TrainItem([i], [i] * n, [-0.5] * n, advantage=float(i), in_loss=True)
+
+
+def test_updates_are_the_same_runs_of_the_batch_whatever_the_data_parallel_size():
+    items = [item(i, 1 + (i * 37) % 50) for i in range(24)]
+    for dp in (1, 2, 4):
+        shares = deal_by_tokens(items, dp, 3)
+        runs = [sorted(it.prompt_ids[0] for r in range(dp) for it in shares[r][j]) for j in range(3)]
+        assert runs == [list(range(0, 8)), list(range(8, 16)), list(range(16, 24))]
+
+
+def test_tokens_are_balanced_and_every_rank_trains_in_every_update():
+    lengths = [1000, 10, 10, 10, 10, 10, 990, 20]  # two long responses
+    shares = deal_by_tokens([item(i, n) for i, n in enumerate(lengths)], 2, 1)
+    loads = [sum(len(it.prompt_ids) + len(it.output_ids) for it in shares[r][0]) for r in range(2)]
+    assert loads == [1034, 1034]  # one long response each; every other response (the old dealing) gave 2014 vs 54
+    assert [len(shares[r][0]) for r in range(2)] == [4, 4]
+    assert [it.prompt_ids[0] for it in shares[0][0]] == sorted(it.prompt_ids[0] for it in shares[0][0])  # draw order
+
+
+def test_fewer_responses_than_updates_give_one_response_per_update():
+    shares = deal_by_tokens([item(i, 3) for i in range(4)], 2, 8)
+    assert [len(u) for u in shares[0]] == [1, 1] and [len(u) for u in shares[1]] == [1, 1]
+
+
+def test_a_batch_that_does_not_divide_is_refused():
+    with pytest.raises(ValueError, match="5 responses do not divide across 2 data-parallel ranks"):
+        deal_by_tokens([item(i, 1) for i in range(5)], 2, 1)
+
+
+def test_packing_keeps_every_field():
+    items = batch()
+    share = PackedShare.pack([items[:5], items[5:]])
+    assert [s.tolist() for s in share.sequences()] == [it.prompt_ids + it.output_ids for it in items]
+    assert share.prompt_lens.tolist() == [2] * 12
+    assert share.rollout_logp.tolist() == [x for it in items for x in it.rollout_logp]  # float64: exact
+    assert share.advantages.tolist() == [it.advantage for it in items]
+    assert share.in_loss.tolist() == [it.in_loss for it in items] and share.update_sizes.tolist() == [5, 7]
+    assert share.nbytes == 4 * share.tokens.numel() + 8 * share.rollout_logp.numel() + 8 * 12 * 3 + 12 + 8 * 2
+    empty = PackedShare.pack([])
+    assert len(empty) == 0 and empty.sequences() == []
+
+
+def test_each_rank_receives_its_replicas_share_and_nothing_else(tmp_path):
+    torchrun("share_scatter_worker.py", 4, str(tmp_path))
+    got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
+    shares = deal_by_tokens(batch(), DP, UPDATES)
+    for rank, record in enumerate(got):
+        want = shares[rank // 2]
+        items = [it for update in want for it in update]
+        assert record["dp_rank_of"] == [0, 0, 1, 1]
+        assert record["seqs"] == [it.prompt_ids + it.output_ids for it in items]
+        assert record["rollout_logp"] == [x for it in items for x in it.rollout_logp]
+        assert record["advantages"] == [it.advantage for it in items]
+        assert record["in_loss"] == [it.in_loss for it in items]
+        assert record["update_sizes"] == [len(u) for u in want]
+        assert record["dtypes"] == ["torch.int32", "torch.int64", "torch.int64", "torch.float64", "torch.float64",
+                                    "torch.bool", "torch.int64"]
+    assert got[0]["seqs"] != got[2]["seqs"]
