@@ -182,7 +182,7 @@ def test_worker_killed_while_judging_scores_its_sample_crashed(pool):
 
     killer = threading.Thread(target=kill_both_mid_sample)
     killer.start()
-    verdicts = pool.score([HANG, HANG], ["7", "7"])
+    verdicts = pool.score([HANG, HANG], ["7", "8"])  # two problems: two answers to judge, one per worker
     killer.join()
     assert verdicts == [Verdict(False, "worker_crashed")] * 2
     assert not set(victims) & set(pool.worker_pids())
