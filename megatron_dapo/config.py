@@ -236,6 +236,7 @@ class TrainConfig:
     keep_last: int = 3
     resume: bool = True  # continue from the latest complete checkpoint in output_dir
     tensorboard: bool = True
+    max_bad_steps: int = 3  # rollout steps in a row with an update skipped for a non-finite loss or gradient
 
     def __post_init__(self):
         _whole(self.steps, "train.steps", 1)
@@ -243,6 +244,7 @@ class TrainConfig:
         _require(bool(self.output_dir), "train.output_dir", "must name a folder for checkpoints and metrics")
         _whole(self.checkpoint_every, "train.checkpoint_every", 0)
         _whole(self.keep_last, "train.keep_last", 1)
+        _whole(self.max_bad_steps, "train.max_bad_steps", 1)
 
 
 @dataclass(frozen=True)

@@ -93,6 +93,8 @@ class DapoTrainer:
         self.output_dir = Path(cfg.train.output_dir)
         self.step_index = 0  # rollout steps done; also the version of the weights the engine samples from
         self.warned_fewer_updates = False
+        self.bad_steps = 0  # rollout steps in a row with a skipped update
+        self.batch_prompts: list[int] = []  # the driver's: dataset rows of the batch being trained on
         self.params = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
                                      max_new_tokens=cfg.algorithm.max_response_len)
         self.sampler = None
@@ -234,6 +236,7 @@ class DapoTrainer:
                 self.params, seed=sample_seed(self.cfg.parallel.seed, self.step_index))
             batch = self.dynamic_sampler.collect()
             items = batch.train_items()
+            self.batch_prompts = sorted(g.prompt.index for g in batch.groups)
             metrics = {**batch.metrics.as_dict(), "prompts_too_long": self.prompts.too_long,
                        "batch_tokens": float(sum(len(it.prompt_ids) + len(it.output_ids) for it in items)),
                        **_oldest_weight_version(batch)}
@@ -267,12 +270,16 @@ class DapoTrainer:
                 self.policy.begin_rollout_step(self.step_index)  # the LR warmup counts rollout steps
                 results = [self.policy.step(update) for update in self._updates(samples, share)]
             train_metrics = self._train_metrics(results, sums, abs_max)
+            self._check_numerics(results)
+        applied = not train_metrics or train_metrics["updates_skipped"] < train_metrics["updates"]
         if self.server_memory is not None:
             with timer("resume"):
                 self.server_memory.resume_weights()
         self.step_index += 1  # the new weights are this step's: the servers get them under its number
-        with timer("sync"):
-            self.sync_weights()
+        # Colocated servers released their weights for the trainer: they get them back even when nothing changed.
+        if applied or self.server_memory is not None:
+            with timer("sync"):
+                self.sync_weights()
         if self.server_memory is not None:
             with timer("resume"):
                 self.server_memory.resume_caches()
@@ -293,6 +300,26 @@ class DapoTrainer:
                         len(sizes), wanted, len(sizes))
         return [samples[sum(sizes[:j]):sum(sizes[:j + 1])] for j in range(len(sizes))]
 
+    def _check_numerics(self, results) -> None:
+        """Every rank (the results agree): an update whose loss or gradients were not finite was skipped; a
+        step with one is logged with its batch, and train.max_bad_steps such steps in a row end the run."""
+        skipped = [j for j, r in enumerate(results) if not r.applied]
+        if not skipped:
+            self.bad_steps = 0
+            return
+        self.bad_steps += 1
+        if self.driver:
+            log.warning("step %d: update(s) %s of %d skipped: the loss or a gradient was not finite (loss %s); "
+                        "%s; the batch's prompts (dataset rows): %s", self.step_index + 1, skipped, len(results),
+                        [results[j].loss for j in skipped],
+                        "nothing was applied, the servers keep their weights" if len(skipped) == len(results)
+                        else "the other updates were applied", self.batch_prompts)
+        if self.bad_steps >= self.cfg.train.max_bad_steps:
+            raise RuntimeError(f"{self.bad_steps} steps in a row had updates with a non-finite loss or gradient "
+                               f"(train.max_bad_steps = {self.cfg.train.max_bad_steps}); the last good weights are "
+                               f"the servers' and the latest checkpoint's. Look at the batches logged above, lower "
+                               "optim.lr, or raise train.max_bad_steps")
+
     def _train_metrics(self, results, sums, abs_max) -> dict[str, float]:
         m = reduce_mismatch(sums, abs_max)
         tokens = max(m["tokens"], 1.0)
@@ -300,7 +327,7 @@ class DapoTrainer:
         loss_tokens = max(stats["num_tokens"], 1.0)
         out = {
             "loss": sum(r.loss * r.stats["num_tokens"] for r in results) / loss_tokens,
-            "grad_norm": max(r.grad_norm for r in results),
+            "grad_norm": max((r.grad_norm for r in results if r.applied), default=math.nan),
             "lr": results[-1].lr,
             "entropy": m["entropy_sum"] / tokens,
             "clip_frac/low": stats["clipped_low"] / loss_tokens,
@@ -314,6 +341,7 @@ class DapoTrainer:
             "mismatch/abs_max": m["abs_max"],
             "loss_tokens": stats["num_tokens"],
             "updates": len(results),
+            "updates_skipped": sum(not r.applied for r in results),
         }
         if self.cfg.loss.tis_cap is not None:
             out.update({"tis/weight_mean": m["tis_weight_sum"] / tokens, "tis/capped_frac": m["tis_capped"] / tokens})

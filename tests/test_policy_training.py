@@ -19,7 +19,7 @@ RECOMPUTE = ["tp2-pp1-dp1-mb200-r", "tp1-pp2-dp1-mb200-r"]  # model.activation_r
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("train")
     torchrun("train_worker.py", 1, str(out), "1,1,100000", "tis")
-    torchrun("train_worker.py", 2, str(out), "1,1,62", "2,1,200", "1,2,200", "2,1,200,r", "1,2,200,r", "adam")
+    torchrun("train_worker.py", 2, str(out), "1,1,62", "2,1,200", "1,2,200", "2,1,200,r", "1,2,200,r", "adam", "nan")
 
     def load(tag):
         deltas = {}
@@ -28,7 +28,15 @@ def runs(tmp_path_factory):
         return json.loads((out / f"{tag}.json").read_text()), deltas
 
     return {**{tag: load(tag) for tag in [BASE, *SPLITS, *RECOMPUTE, "adam"]},
-            "tis": json.loads((out / "tis.json").read_text())}
+            "tis": json.loads((out / "tis.json").read_text()), "nan": json.loads((out / "nan.json").read_text())}
+
+
+def test_a_nan_in_one_micro_batch_skips_the_update_on_every_rank(runs):
+    nan = runs["nan"]
+    assert nan["applied"] == [[False, True], [False, True]]  # both TP ranks agree
+    assert nan["bad_loss"] == "nan" and nan["bad_grad_norm"] == "nan"
+    assert nan["unchanged"] and nan["moved"] and nan["good_grad_norm"] > 0
+    assert nan["step_count"] == 2  # the LR schedule counts the skipped update
 
 
 def test_base_layout_is_one_micro_batch(runs):

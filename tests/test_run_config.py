@@ -57,6 +57,8 @@ def test_overrides_are_read_as_yaml():
     ("rollout.server_urls=http://a", "rollout.server_urls: must be a list"),
     ("reward.timeout_s=0", "reward.timeout_s"),
     ("reward.num_workers=0", "reward.num_workers"),
+    ("reward.max_answers_per_message=0", "reward.max_answers_per_message"),
+    ("train.max_bad_steps=0", "train.max_bad_steps"),
     ("parallel.tensor_parallel=0", "parallel.tensor_parallel"),
     ("parallel.device=tpu", "parallel.device"),
     ("parallel.context_parallel=2", "parallel.context_parallel"),

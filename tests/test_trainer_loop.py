@@ -165,3 +165,27 @@ def test_fewer_updates_than_updates_per_step_are_said_once_with_the_numbers(capl
     said = [r.message for r in caplog.records if "updates_per_step" in r.message]
     assert said == ["step 7: 2 responses per data-parallel rank, fewer than train.updates_per_step = 4: 2 updates "
                     "this step (said once); a batch that small trains on little"]
+
+
+def test_steps_with_non_finite_updates_are_logged_with_their_batch_and_stop_the_run_after_max_bad_steps(caplog):
+    from types import SimpleNamespace
+
+    from megatron_dapo.policy.train_step import StepResult
+    from megatron_dapo.trainer import DapoTrainer
+
+    trainer = DapoTrainer.__new__(DapoTrainer)  # only the numerics bookkeeping, no runtime
+    trainer.cfg = SimpleNamespace(train=SimpleNamespace(max_bad_steps=2))
+    trainer.driver, trainer.step_index, trainer.bad_steps, trainer.batch_prompts = True, 4, 0, [3, 17]
+    good, bad = StepResult(0.1, 1.0, 1e-6), StepResult(float("nan"), float("nan"), 1e-6, applied=False)
+    with caplog.at_level("WARNING"):
+        trainer._check_numerics([good, bad])
+        assert trainer.bad_steps == 1
+        trainer._check_numerics([good, good])  # a clean step: the count starts again
+        assert trainer.bad_steps == 0
+        trainer._check_numerics([bad, bad])
+        with pytest.raises(RuntimeError, match=r"2 steps in a row .* \(train.max_bad_steps = 2\)"):
+            trainer._check_numerics([bad, good])
+    said = [r.message for r in caplog.records if "not finite" in r.message]
+    assert "update(s) [1] of 2 skipped" in said[0] and "the other updates were applied" in said[0]
+    assert "nothing was applied, the servers keep their weights" in said[1]
+    assert all("dataset rows): [3, 17]" in m for m in said)

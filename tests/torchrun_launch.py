@@ -16,7 +16,8 @@ def torchrun(worker: str, nproc: int, *args: str, timeout: int = 600) -> None:
     script = WORKERS / worker
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}",
            str(script), *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(WORKERS)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(WORKERS), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=WORKERS)
     if proc.returncode != 0:
         pytest.fail(f"{worker} failed ({proc.returncode}):\n{proc.stdout[-5000:]}\n{proc.stderr[-10000:]}")

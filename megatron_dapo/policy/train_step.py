@@ -10,6 +10,8 @@ the step is split.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -52,10 +54,11 @@ class RolloutSample:
 @dataclass
 class StepResult:
     loss: float  # token-level DAPO loss of the step (all micro-batches, all DP ranks)
-    grad_norm: float
+    grad_norm: float  # NaN when not applied
     lr: float
     stats: dict[str, float] = field(default_factory=dict)  # summed over the step; ratio_max is the max
     entropy_mean: float = 0.0
+    applied: bool = True  # False: the loss or a gradient was not finite and the update was skipped
 
 
 class PolicyTrainer:
@@ -91,7 +94,7 @@ class PolicyTrainer:
         config = model.config
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                    use_distributed_optimizer=optim.distributed_optimizer,
-                                                   check_for_nan_in_grad=True)
+                                                   check_for_nan_in_grad=False)  # step() skips such updates
         self.model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
         on_gpu = parallel.device == "cuda"
         self.optimizer = get_megatron_optimizer(
@@ -163,13 +166,24 @@ class PolicyTrainer:
             forward_step_func=forward_step, data_iterator=iter(mbs), model=[self.model], num_microbatches=len(mbs),
             seq_length=max(mb.input_ids.shape[1] for mb in mbs), micro_batch_size=1, forward_only=False,
         )
+        result = self._reduce_metrics(outputs, lr, parallel_state)
+        self.step_count += 1
+        if not self._finite(result.loss):  # every rank agrees: nothing is applied
+            return dataclasses.replace(result, applied=False)
         ok, grad_norm, _ = self.optimizer.step()
         if not ok:
             raise RuntimeError("optimizer step skipped: non-finite gradients")
-        self.step_count += 1
-        return self._reduce_metrics(outputs, grad_norm, lr, parallel_state)
+        return dataclasses.replace(result, grad_norm=float(grad_norm))
 
-    def _reduce_metrics(self, outputs, grad_norm, lr, parallel_state) -> StepResult:
+    def _finite(self, loss: float) -> bool:
+        """The step's loss (the same on every rank) and every rank's gradients are finite."""
+        bad = torch.tensor([0.0 if math.isfinite(loss) else 1.0], device=self.device)
+        for buffer in self.model.buffers + self.model.expert_parallel_buffers:
+            bad += (~torch.isfinite(buffer.grad_data)).any()
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        return bad.item() == 0
+
+    def _reduce_metrics(self, outputs, lr, parallel_state) -> StepResult:
         # Sums over this rank's micro-batches, then over data-parallel ranks, then to every pipeline stage.
         n = len(STAT_NAMES)
         totals = torch.zeros(n + 2, dtype=torch.float64, device=self.device)
@@ -190,6 +204,6 @@ class PolicyTrainer:
         stats = dict(zip(STAT_NAMES, totals[:n].tolist()))
         stats["ratio_max"] = ratio_max.item()
         tokens = max(stats["num_tokens"], 1.0)
-        return StepResult(loss=totals[n].item() / tokens, grad_norm=float(grad_norm), lr=lr, stats=stats,
+        return StepResult(loss=totals[n].item() / tokens, grad_norm=math.nan, lr=lr, stats=stats,
                           entropy_mean=totals[n + 1].item() / tokens)
 

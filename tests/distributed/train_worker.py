@@ -4,7 +4,7 @@ argv: OUT_DIR LAYOUT [LAYOUT ...], a layout being tp,pp,micro_batch_tokens[,r] (
 recompute, model.activation_recompute "full"). Per layout the weight change of one Adam step, gathered to
 HF names, goes to OUT_DIR/{tag}-stage{pp_rank}.pt from the ranks with tp_rank = dp_rank = 0; the step's
 loss and grad norm to OUT_DIR/{tag}.json, with how many layer checkpoints megatron-core made on each rank.
-Layout "adam" runs 6 Adam steps at TP=2 and records the loss.
+Layout "adam" runs 6 Adam steps at TP=2 and records the loss; "nan" poisons one micro-batch (nan.json).
 """
 
 import json
@@ -105,6 +105,35 @@ def tis_normaliser_case(out_dir, spec, hf):
     reset_parallel_layout()
 
 
+def nan_case(out_dir, spec, hf):
+    """A NaN in the old log-probs of one micro-batch at TP=2: the update is skipped on every rank and the weights
+    stay bitwise; the next, clean update is applied."""
+    parallel = ParallelConfig(tensor_parallel=2, device="cpu", seed=7)
+    runtime = init_runtime(parallel)
+    trainer = PolicyTrainer(spec, parallel, runtime.device, OptimConfig(lr=1e-2, warmup_steps=0), LossConfig(), 200)
+    load_hf_weights(trainer.module, hf.state_dict().__getitem__, spec, parallel)
+    clean = batch(hf)
+    poisoned = list(clean)
+    s = poisoned[3]  # its own micro-batch at 200 tokens
+    old = s.old_logp.clone()
+    old[1] = float("nan")
+    poisoned[3] = RolloutSample(s.sequence, old, s.advantages, torch.ones_like(s.loss_mask))
+    before = [p.detach().clone() for p in trainer.module.parameters()]
+    bad = trainer.step(poisoned)
+    unchanged = all(torch.equal(a, p) for a, p in zip(before, trainer.module.parameters()))
+    good = trainer.step(clean)
+    moved = not all(torch.equal(a, p) for a, p in zip(before, trainer.module.parameters()))
+    flags = [None] * dist.get_world_size()
+    dist.all_gather_object(flags, [bad.applied, good.applied])
+    if dist.get_rank() == 0:
+        with open(os.path.join(out_dir, "nan.json"), "w") as f:
+            json.dump({"applied": flags, "bad_loss": str(bad.loss), "bad_grad_norm": str(bad.grad_norm),
+                       "good_grad_norm": good.grad_norm, "unchanged": unchanged, "moved": moved,
+                       "step_count": trainer.step_count}, f)
+    del trainer
+    reset_parallel_layout()
+
+
 def run_layout(out_dir, layout, spec, hf):
     from megatron.core import parallel_state
 
@@ -163,6 +192,8 @@ def main(out_dir, layouts):
     for layout in layouts:
         if layout == "tis":
             tis_normaliser_case(out_dir, spec, hf)
+        elif layout == "nan":
+            nan_case(out_dir, spec, hf)
         else:
             run_layout(out_dir, layout, spec, hf)
     shutdown_runtime()
