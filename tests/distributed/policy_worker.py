@@ -66,15 +66,22 @@ class TeNamed(torch.nn.Module):
 
 
 def te_named_cases(model, spec, parallel, ckpt, out_dir, kind) -> dict:
-    """Export and the weight sync's buckets from TE-named parameters give the source checkpoint's bytes."""
+    """Loading HF weights into TE-named parameters, then export and the weight sync's buckets from them, give the
+    source checkpoint's bytes."""
     import torch.distributed as dist
 
     from megatron_dapo.checkpoint.hf_export import export_hf_checkpoint
     from megatron_dapo.checkpoint.safetensors_io import HFCheckpoint
     from megatron_dapo.weight_sync.buckets import iter_hf_buckets
 
+    from megatron_dapo.checkpoint.hf_weights import load_hf_weights
+
     te = TeNamed(model)
     assert any(n.endswith("linear_qkv.layer_norm_weight") for n, _ in te.named_parameters())
+    with torch.no_grad():  # HF -> TE-named parameters first, as a run starts; the export below checks what arrived
+        for _, p in te.named_parameters():
+            p.zero_()
+    load_hf_weights(te, ckpt.get, spec, parallel)
     exported = os.path.join(out_dir, f"exported_te_{kind}")
     export_hf_checkpoint(te, spec, parallel, exported, hf_config=ckpt.config, max_shard_bytes=50_000)
     bucketed = {name: t.cpu().clone()
