@@ -15,6 +15,7 @@ around the weight sync.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import math
 import time
@@ -298,7 +299,8 @@ class DapoTrainer:
             log.warning("step %d: %d responses per data-parallel rank, fewer than train.updates_per_step = %d: %d "
                         "updates this step (said once); a batch that small trains on little", self.step_index + 1,
                         len(sizes), wanted, len(sizes))
-        return [samples[sum(sizes[:j]):sum(sizes[:j + 1])] for j in range(len(sizes))]
+        bounds = [0, *itertools.accumulate(sizes)]
+        return [samples[a:b] for a, b in zip(bounds, bounds[1:])]
 
     def _check_numerics(self, results) -> None:
         """Every rank (the results agree): an update whose loss or gradients were not finite was skipped; a

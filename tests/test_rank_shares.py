@@ -65,7 +65,7 @@ def test_each_rank_receives_its_replicas_share_and_nothing_else(tmp_path):
     for rank, record in enumerate(got):
         want = shares[rank // 2]
         items = [it for update in want for it in update]
-        assert record["dp_rank_of"] == [0, 0, 1, 1]
+        assert record["dp_rank_of"] == [0, 0, 1, 1] and record["faithful"]
         assert record["seqs"] == [it.prompt_ids + it.output_ids for it in items]
         assert record["rollout_logp"] == [x for it in items for x in it.rollout_logp]
         assert record["advantages"] == [it.advantage for it in items]

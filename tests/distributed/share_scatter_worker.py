@@ -9,6 +9,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from megatron_dapo import cpu_compat
 from megatron_dapo.rank_shares import PackedShare, deal_by_tokens
 from megatron_dapo.samples import TrainItem
 from megatron_dapo.share_scatter import ShareScatter
@@ -27,6 +28,7 @@ def batch() -> list[TrainItem]:
 
 
 def main(out_dir: str) -> None:
+    cpu_compat.activate(faithful=True, local_rank=int(os.environ["LOCAL_RANK"]))
     dist.init_process_group("gloo")  # the default group stands for NCCL in the device-faithful mode
     rank = dist.get_rank()
     scatter = ShareScatter(dp_rank=rank // 2)
@@ -37,7 +39,8 @@ def main(out_dir: str) -> None:
     record = {"seqs": [s.tolist() for s in share.sequences()], "prompt_lens": share.prompt_lens.tolist(),
               "rollout_logp": share.rollout_logp.tolist(), "advantages": share.advantages.tolist(),
               "in_loss": share.in_loss.tolist(), "update_sizes": share.update_sizes.tolist(),
-              "dtypes": [str(t.dtype) for t in share.tensors()], "dp_rank_of": scatter.dp_rank_of}
+              "dtypes": [str(t.dtype) for t in share.tensors()], "dp_rank_of": scatter.dp_rank_of,
+              "faithful": cpu_compat.is_active()}
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(record, f)
     dist.destroy_process_group()
