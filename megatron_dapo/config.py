@@ -93,6 +93,9 @@ class OptimConfig:
         return self.lr * min(1.0, (update + 1) / (self.warmup_steps * updates_per_step))
 
 
+TIS_MODES = ("truncate", "mask")
+
+
 @dataclass(frozen=True)
 class LossConfig:
     """The clipped token-level objective, and the optional extras DAPO leaves off by default."""
@@ -104,8 +107,12 @@ class LossConfig:
     kl_coef: float = 0.0  # > 0: KL penalty against the frozen initial policy (DAPO drops it)
     kl_type: str = "k3"
     # Truncated importance sampling: weight each token by min(pi_old / pi_rollout, cap) to correct the
-    # mismatch between the inference engine's and the trainer's probabilities. None: off.
+    # mismatch between the inference engine's and the trainer's probabilities, and for the older weights a
+    # one_step_off batch was sampled by (decoupled PPO: pi_rollout is the behaviour policy, pi_old the
+    # proximal one). None: off.
     tis_cap: float | None = None
+    # "truncate": weight min(ratio, cap); "mask": weight ratio, and 0 (the token left out) past the cap.
+    tis_mode: str = "truncate"
 
     def __post_init__(self):
         try:  # the op's own rules: a config the op would refuse is refused before anything starts
@@ -115,6 +122,8 @@ class LossConfig:
             raise ConfigError(f"loss.{e.param}: {e.message}") from None
         _require(self.tis_cap is None or self.tis_cap >= 1, "loss.tis_cap",
                  f"must be >= 1 or null (off), got {self.tis_cap}")
+        _require(self.tis_mode in TIS_MODES, "loss.tis_mode",
+                 f"must be one of {', '.join(map(repr, TIS_MODES))}, got {self.tis_mode!r}")
 
 
 ACTIVATION_RECOMPUTE = ("none", "full")
@@ -153,9 +162,16 @@ class DataConfig:
         _whole(self.max_prompt_len, "data.max_prompt_len", 1)
 
 
+ROLLOUT_MODES = ("sync", "one_step_off")
+
+
 @dataclass(frozen=True)
 class RolloutConfig:
     engine: str = "sglang"  # "sglang" (servers) or "local" (the policy in-process: TP = PP = 1, for demos)
+    # "sync": each step samples its batch from the weights it trains (on-policy). "one_step_off": the next
+    # step's batch is sampled while this one trains, so each batch is one weight version old (servers and
+    # trainer both busy); the weights reach the servers at the step boundary.
+    mode: str = "sync"
     temperature: float = 1.0
     top_p: float = 1.0
     server_urls: list[str] = field(default_factory=list)  # attach to running servers; empty: start them
@@ -187,6 +203,16 @@ class RolloutConfig:
 
     def __post_init__(self):
         _require(self.engine in ("sglang", "local"), "rollout.engine", f"must be 'sglang' or 'local', got {self.engine!r}")
+        _require(self.mode in ROLLOUT_MODES, "rollout.mode",
+                 f"must be one of {', '.join(map(repr, ROLLOUT_MODES))}, got {self.mode!r}")
+        if self.mode != "sync":
+            _require(self.engine == "sglang", "rollout.mode",
+                     f"{self.mode!r} samples beside training, but rollout.engine 'local' samples with the policy "
+                     "being trained; set rollout.engine to 'sglang', or rollout.mode to 'sync'")
+            _require(not self.colocate, "rollout.mode",
+                     f"{self.mode!r} keeps the servers sampling while the trainer trains, but rollout.colocate "
+                     "gives the servers' accelerators to the trainer while it trains; set rollout.colocate to "
+                     "false (servers on nodes of their own), or rollout.mode to 'sync'")
         _positive(self.temperature, "rollout.temperature")
         # The trainer's log-probs are those of softmax(logits / temperature) over the whole vocabulary, what the
         # engines return for a sampled token; two settings would sample from another distribution.

@@ -79,6 +79,14 @@ class PackedShare:
     def __len__(self) -> int:
         return self.prompt_lens.numel()
 
+    def train_items(self) -> list[TrainItem]:
+        """The responses as TrainItems again, in order (what `pack` was given, flattened)."""
+        prompt_lens, output_lens = self.prompt_lens.tolist(), self.output_lens.tolist()
+        logps = self.rollout_logp.split(output_lens)
+        return [TrainItem(seq[:p].tolist(), seq[p:].tolist(), lp.tolist(), adv, keep)
+                for seq, p, lp, adv, keep in zip(self.sequences(), prompt_lens, logps, self.advantages.tolist(),
+                                                 self.in_loss.tolist())]
+
     def sequences(self) -> list[torch.Tensor]:
         """Each response's prompt + output ids (views into `tokens`)."""
         return list(self.tokens.split((self.prompt_lens + self.output_lens).tolist()))

@@ -60,6 +60,10 @@ class DapoConfig:
         if r.engine == "sglang" and r.weight_sync == "tensor":
             _require(r.server_tensor_parallel == 1 and r.num_servers == 1, "rollout.weight_sync",
                      "'tensor' (colocated) pushes to one server at TP 1; use 'distributed' or 'disk'")
+        _require(r.mode == "sync" or self.loss.tis_cap is not None, "loss.tis_cap",
+                 f"must be set with rollout.mode {r.mode!r}: its batches were sampled by the weights of the step "
+                 "before, and each token is weighted by min(pi_old / pi_rollout, cap) to correct for them "
+                 "(decoupled PPO); set loss.tis_cap (2.0 is common), or rollout.mode to 'sync'")
         _require(self.train.updates_per_step <= self.algorithm.batch_size * self.algorithm.group_size,
                  "train.updates_per_step", f"{self.train.updates_per_step} mini-batches cannot be cut from "
                  f"{self.algorithm.batch_size} x {self.algorithm.group_size} responses")

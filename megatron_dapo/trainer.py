@@ -5,16 +5,16 @@ each; rewards (+1 / -1 and the soft overlong penalty) are normalised inside the 
 advantages; groups that are all right or all wrong are dropped and sampling goes on until the batch
 is full (dynamic sampling); the policy recomputes the old log-probs; the batch is cut into
 mini-batches, each one optimizer step of the fused clipped token-level loss; the new weights go to
-the inference engine. Global rank 0 (the driver) runs the rollout and hands each rank its
-data-parallel share of the kept batch; the other ranks wait for it outside any collective (a
-paper-scale rollout outlasts any collective's watchdog); everything after that is collective.
-Colocated servers (rollout.colocate) release their memory once the rollout is done and take it back
-around the weight sync.
+the inference engine. Global rank 0 (the driver) runs the rollout service (rollout_service.py) and
+hands each rank its data-parallel share of the kept batch; the other ranks wait for it outside any
+collective (a paper-scale rollout outlasts any collective's watchdog); everything after that is
+collective. With rollout.mode one_step_off the service samples the next step's batch while this one
+trains, and the weights reach the servers once both are done. Colocated servers (rollout.colocate)
+release their memory once the rollout is done and take it back around the weight sync.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import math
@@ -25,18 +25,14 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from megatron_dapo.algorithm import DynamicSampler
 from megatron_dapo.checkpoint.hf_weights import load_hf_weights
 from megatron_dapo.checkpoint.safetensors_io import HFCheckpoint
 from megatron_dapo.checkpoint.trainer_checkpoint import (
     latest_checkpoint,
     load_trainer_checkpoint,
+    read_driver_state,
     save_trainer_checkpoint,
 )
-from megatron_dapo.data.prompt_file import drop_duplicate_rows, load_prompt_rows
-from megatron_dapo.data.prompt_sampler import PromptSampler
-from megatron_dapo.data.prompt_source import PromptSource
-from megatron_dapo.evaluation import eval_params, evaluate
 from megatron_dapo.metrics_log import MetricsLogger
 from megatron_dapo.ops import STAT_NAMES
 from megatron_dapo.policy.hf_config import model_spec_from_hf
@@ -45,12 +41,10 @@ from megatron_dapo.policy.model import build_model
 from megatron_dapo.policy.rollout_samples import training_samples
 from megatron_dapo.policy.train_step import PolicyTrainer
 from megatron_dapo.rank_shares import PackedShare, deal_by_tokens
-from megatron_dapo.reward import RewardPool
-from megatron_dapo.rollout.engine import SamplingParams, sample_seed
 from megatron_dapo.rollout.server_memory import ServerMemory
+from megatron_dapo.rollout_service import RESYNC, ReadyBatch, RolloutService
 from megatron_dapo.run_config import DapoConfig
 from megatron_dapo.runtime import DriverSignal, init_runtime, shutdown_runtime
-from megatron_dapo.samples import PromptItem
 from megatron_dapo.share_scatter import ShareScatter
 
 log = logging.getLogger(__name__)
@@ -96,17 +90,17 @@ class DapoTrainer:
         self.warned_fewer_updates = False
         self.bad_steps = 0  # rollout steps in a row with a skipped update
         self.batch_prompts: list[int] = []  # the driver's: dataset rows of the batch being trained on
-        self.params = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-                                     max_new_tokens=cfg.algorithm.max_response_len)
-        self.sampler = None
-        if self.driver:
-            self._setup_driver()
+        self.overlapped = cfg.rollout.mode == "one_step_off"
+        self.next_batch: ReadyBatch | None = None  # the driver's: sampled, not yet trained on (one_step_off)
+        self.service = RolloutService(cfg, self._engine(), self.dp_size) if self.driver else None
         resume = latest_checkpoint(self.checkpoint_root) if cfg.train.resume else None
         if resume is not None:
             extra = load_trainer_checkpoint(resume, self.policy)
             self.step_index = extra["step"]
             if self.driver:
-                self.sampler.load_state_dict(extra["sampler"])
+                self.service.load_state_dict(extra["sampler"])
+                pending = read_driver_state(resume, "rollout_buffer")
+                self.next_batch = ReadyBatch.from_state_dict(pending) if pending is not None else None
                 log.info("resumed from %s (step %d)", resume, self.step_index)
         if self.driver:
             self.metrics = MetricsLogger(self.output_dir, tensorboard=cfg.train.tensorboard,
@@ -134,26 +128,6 @@ class DapoTrainer:
         load_hf_weights(ref, hf.get, self.spec, self.cfg.parallel)
         return ref.eval().requires_grad_(False)
 
-    def _setup_driver(self) -> None:
-        from transformers import AutoTokenizer
-
-        cfg = self.cfg
-        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-        self.rows, _ = load_prompt_rows(cfg.data.train_path)  # skipped rows are counted in its warning
-        if cfg.data.drop_duplicates:
-            total = len(self.rows)
-            self.rows = drop_duplicate_rows(self.rows)
-            log.info("%s: training on %d unique problems of %d rows (data.drop_duplicates)", cfg.data.train_path,
-                     len(self.rows), total)
-        self.eval_rows = load_prompt_rows(cfg.data.eval_path)[0] if cfg.data.eval_path else []
-        self.sampler = PromptSampler(len(self.rows), cfg.data.seed)
-        self.prompts = PromptSource(self.rows, self.sampler, self.tokenizer, max_prompt_len=cfg.data.max_prompt_len,
-                                    chat_template=cfg.data.chat_template, name=cfg.data.train_path)
-        self.reward_pool = RewardPool(cfg.reward)
-        self.engine = self._engine()
-        self.dynamic_sampler = DynamicSampler(self.engine, self._score_group, self.prompts.next_items, cfg.algorithm,
-                                              self.params, dp_size=self.dp_size)
-
     def _engine(self):
         cfg = self.cfg
         if cfg.rollout.engine == "local":
@@ -174,7 +148,7 @@ class DapoTrainer:
             return []
         from megatron_dapo.rollout.from_config import server_urls
 
-        box = [server_urls(self.engine) if self.driver else None]
+        box = [server_urls(self.service.engine) if self.driver else None]
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
@@ -201,21 +175,17 @@ class DapoTrainer:
                                        max_positions=self.spec.max_position_embeddings,
                                        max_tokens_per_micro_batch=self.cfg.model.max_tokens_per_micro_batch,
                                        device=self.runtime.device)
-        a = check_engine_logprobs(self.engine if self.driver else None, recompute,
+        a = check_engine_logprobs(self.service.engine if self.driver else None, recompute,
                                   temperature=self.cfg.rollout.temperature)
         if self.driver:
             log.info("rollout.server_urls: log-probs match the policy's at temperature %g (mean |diff| %.2g over %d "
                      "tokens; %.2g at temperature 1)", a.temperature, a.diff_tempered, a.tokens, a.diff_untempered)
 
-    # -- the rollout, on the driver ------------------------------------------------------------------
-
-    def _score_group(self, prompt: PromptItem, samples) -> list[bool]:
-        texts = self.tokenizer.batch_decode([s.output_ids for s in samples], skip_special_tokens=True)
-        return [v.correct for v in self.reward_pool.score(texts, [prompt.ground_truth] * len(texts))]
+    # -- the rollout ---------------------------------------------------------------------------------
 
     def _on_server_restart(self, url: str) -> None:
-        """A server came back with its initial weights mid-rollout. The disk route reloads the folder the
-        others serve; the other routes need every rank, which the waiting ranks join (see _rollout)."""
+        """An engine thread: a server came back with its initial weights mid-job. The disk route reloads the
+        folder the others serve; the other routes need every rank: the main threads sync (_await_service)."""
         from megatron_dapo.weight_sync.disk import DiskSyncer
         from megatron_dapo.weight_sync.server_calls import call_all
 
@@ -225,28 +195,34 @@ class DapoTrainer:
                                                              "weight_version": str(self.step_index)},
                          self.cfg.rollout.weight_sync_timeout_s)
             return
-        self.signal.post("resync")
-        self.sync_weights()
+        self.service.jobs.server_restarted()
 
-    def _rollout(self) -> tuple[PackedShare, dict[str, float]]:
-        """Driver: dynamic sampling, and the metrics of the step so far. Every rank: its data-parallel share of
-        the kept batch (share_scatter.py; {} for metrics off the driver)."""
+    def _await_service(self, word: str) -> None:
+        """Every rank: until the driver's rollout service has done its job (then the driver says `word`);
+        a server restarted meanwhile gets the weights from every rank."""
         if self.driver:
-            # Seeds from (run seed, step): a resumed run samples what the uninterrupted one did.
-            self.dynamic_sampler.params = dataclasses.replace(
-                self.params, seed=sample_seed(self.cfg.parallel.seed, self.step_index))
-            batch = self.dynamic_sampler.collect()
-            items = batch.train_items()
-            self.batch_prompts = sorted(g.prompt.index for g in batch.groups)
-            metrics = {**batch.metrics.as_dict(), "prompts_too_long": self.prompts.too_long,
-                       "batch_tokens": float(sum(len(it.prompt_ids) + len(it.output_ids) for it in items)),
-                       **_oldest_weight_version(batch)}
-            self.signal.post("batch")
-            shares = deal_by_tokens(items, self.dp_size, self.cfg.train.updates_per_step)
-            return self.scatter.send([PackedShare.pack(share) for share in shares]), metrics
-        while self.signal.wait() == "resync":  # a restarted server needs the weights: every rank joins the sync
+            while self.service.jobs.wait() == RESYNC:
+                self.signal.post(RESYNC)
+                self.sync_weights()
+                self.service.jobs.resynced()
+            self.signal.post(word)
+            return
+        while self.signal.wait() == RESYNC:
             self.sync_weights()
-        return self.scatter.receive(), {}
+
+    def _share(self) -> tuple[PackedShare, dict[str, float]]:
+        """Every rank: its data-parallel share of this step's kept batch (share_scatter.py), and the driver
+        the batch's sampling metrics ({} elsewhere). Sampled now, unless sampled during the step before."""
+        if self.driver and self.next_batch is None:
+            self.service.start_batch(self.step_index)
+        self._await_service("batch")
+        if not self.driver:
+            return self.scatter.receive(), {}
+        batch = self.next_batch if self.next_batch is not None else self.service.jobs.take()
+        self.next_batch = None
+        self.batch_prompts = batch.prompts
+        shares = deal_by_tokens(batch.items, self.dp_size, self.cfg.train.updates_per_step)
+        return self.scatter.send([PackedShare.pack(share) for share in shares]), dict(batch.metrics)
 
     # -- the step ------------------------------------------------------------------------------------
 
@@ -255,7 +231,10 @@ class DapoTrainer:
         timer = StepTimer()
         start = time.perf_counter()
         with timer("rollout"):
-            share, metrics = self._rollout()
+            share, metrics = self._share()
+        sampling_next = self.overlapped and self.step_index + 1 < self.cfg.train.steps
+        if sampling_next and self.driver:  # sampled by the weights this step trains: one version stale
+            self.service.start_batch(self.step_index + 1)
         if self.server_memory is not None:  # colocated: the servers' memory is the trainer's until the sync
             with timer("release"):
                 self.server_memory.release()
@@ -265,7 +244,8 @@ class DapoTrainer:
                 samples, sums, abs_max = training_samples(
                     self.policy.module.eval(), self.reference, share, spec=self.spec,
                     max_tokens_per_micro_batch=self.cfg.model.max_tokens_per_micro_batch, device=self.runtime.device,
-                    tis_cap=self.cfg.loss.tis_cap, temperature=self.cfg.rollout.temperature)
+                    tis_cap=self.cfg.loss.tis_cap, tis_mode=self.cfg.loss.tis_mode,
+                    temperature=self.cfg.rollout.temperature)
                 self.policy.module.train()
             with timer("train"):
                 self.policy.begin_rollout_step(self.step_index)  # the LR warmup counts rollout steps
@@ -277,6 +257,11 @@ class DapoTrainer:
             with timer("resume"):
                 self.server_memory.resume_weights()
         self.step_index += 1  # the new weights are this step's: the servers get them under its number
+        if sampling_next:
+            with timer("rollout_wait"):  # the servers finish the next batch before they take the new weights
+                self._await_service("sampled")
+            if self.driver:
+                self.next_batch = self.service.jobs.take()
         # Colocated servers released their weights for the trainer: they get them back even when nothing changed.
         if applied or self.server_memory is not None:
             with timer("sync"):
@@ -285,6 +270,8 @@ class DapoTrainer:
             with timer("resume"):
                 self.server_memory.resume_caches()
         step_s = time.perf_counter() - start
+        if "weight_version" in metrics:  # versions between the weights that trained and those that sampled
+            metrics["staleness"] = self.step_index - 1 - metrics["weight_version"]
         metrics.update(train_metrics, tokens_per_s=metrics.get("batch_tokens", 0.0) / step_s, **{"time/step": step_s},
                        **{f"time/{k}": v for k, v in timer.seconds.items()})
         return metrics
@@ -353,7 +340,7 @@ class DapoTrainer:
         version = str(self.step_index)
         if self.syncer is None:
             if self.driver:
-                self.engine.weight_version = version
+                self.service.engine.weight_version = version
             return
         result = self.syncer.sync(self.policy.module, version)
         if result is not None:
@@ -364,30 +351,21 @@ class DapoTrainer:
 
     def evaluate(self) -> dict[str, float]:
         """Every rank: avg@k and pass@k on the held-out prompts at the eval section's sampling settings, computed
-        by the driver while the other ranks wait for it outside collectives; {} on those ranks."""
-        if not self.driver:
-            self.signal.wait()
-            return {}
-        result = self._evaluate() if self.eval_rows else {}
-        self.signal.post("evaluated")
-        return result
-
-    def _evaluate(self) -> dict[str, float]:
-        e = self.cfg.eval
-        encoded = [(r, self.prompts.encode(r)) for r in self.eval_rows[: e.max_prompts]]
-        kept = [(r.ground_truth, ids) for r, ids in encoded if ids is not None]
-        return evaluate(self.engine, self.reward_pool.score,
-                        lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True),
-                        [ids for _, ids in kept], [t for t, _ in kept],
-                        eval_params(e, self.cfg.algorithm.max_response_len), e.samples_per_prompt)
+        by the driver's rollout service while the other ranks wait for it outside collectives; {} on those."""
+        if self.driver:
+            self.service.start_eval()
+        self._await_service("evaluated")
+        return self.service.jobs.take() if self.driver else {}
 
     def save_checkpoint(self) -> None:
-        extra = {"step": self.step_index, "sampler": self.sampler.state_dict() if self.driver else None,
+        extra = {"step": self.step_index, "sampler": self.service.state_dict() if self.driver else None,
                  "config": self.cfg.to_dict()}
         box = [extra]
         dist.broadcast_object_list(box, src=0)  # the driver's data position goes in
+        # one_step_off: the batch sampled for the next step, so that the resumed run trains on it too
+        pending = {"rollout_buffer": self.next_batch.state_dict()} if self.next_batch is not None else None
         save_trainer_checkpoint(self.checkpoint_root, self.step_index, self.policy, box[0],
-                                keep_last=self.cfg.train.keep_last)
+                                keep_last=self.cfg.train.keep_last, driver_state=pending)
 
     def train(self) -> dict[str, float]:
         """Run until train.steps; returns the last step's metrics (on the driver)."""
@@ -415,20 +393,9 @@ class DapoTrainer:
         if self.syncer is not None:
             self.syncer.close()
         if self.driver:
-            if hasattr(self.engine, "close"):  # servers this run started
-                self.engine.close()
-            self.reward_pool.close()
+            self.service.close()
             self.metrics.close()
         shutdown_runtime()
-
-
-def _oldest_weight_version(batch) -> dict[str, float]:
-    """The oldest weight version (rollout steps the weights had seen) that sampled the batch, when the engine
-    reports ours (servers start with their own name for the initial weights)."""
-    versions = [s.weight_version for g in batch.groups for s in g.samples]
-    if not versions or not all(v.isdigit() for v in versions):
-        return {}
-    return {"weight_version": float(min(map(int, versions)))}
 
 
 def run_training(cfg: DapoConfig) -> int:

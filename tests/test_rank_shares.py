@@ -74,3 +74,18 @@ def test_each_rank_receives_its_replicas_share_and_nothing_else(tmp_path):
         assert record["dtypes"] == ["torch.int32", "torch.int64", "torch.int64", "torch.float64", "torch.float64",
                                     "torch.bool", "torch.int64"]
     assert got[0]["seqs"] != got[2]["seqs"]
+
+
+def test_a_packed_batch_unpacks_to_the_same_items_and_survives_a_checkpoint_file(tmp_path):
+    """one_step_off's buffer: the batch sampled for the next step goes into the checkpoint as packed tensors
+    (loaded with weights_only) and comes back bitwise: the engine's log-probs are float64 like Python's floats."""
+    import torch
+
+    from megatron_dapo.rollout_service import ReadyBatch
+
+    items = [TrainItem([5, 6], [7, 8, 9], [-0.1, -1 / 3, -2.5e-7], 1 / 7, True),
+             TrainItem([5, 6, 1], [4], [-0.7], -0.25, False)]
+    assert PackedShare.pack([items]).train_items() == items
+    batch = ReadyBatch(3, items, {"accuracy": 0.5, "weight_version": 2.0}, [11, 4])
+    torch.save(batch.state_dict(), tmp_path / "buffer.pt")
+    assert ReadyBatch.from_state_dict(torch.load(tmp_path / "buffer.pt", weights_only=True)) == batch

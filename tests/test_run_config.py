@@ -54,6 +54,8 @@ def test_overrides_are_read_as_yaml():
     ("rollout.temperature=0", "rollout.temperature"),
     ("rollout.top_p=2", "rollout.top_p"),
     ("rollout.weight_sync=nfs", "rollout.weight_sync"),
+    ("rollout.mode=async", "rollout.mode: must be one of 'sync', 'one_step_off'"),
+    ("loss.tis_mode=clip", "loss.tis_mode: must be one of 'truncate', 'mask'"),
     ("rollout.server_urls=http://a", "rollout.server_urls: must be a list"),
     ("reward.timeout_s=0", "reward.timeout_s"),
     ("reward.num_workers=0", "reward.num_workers"),
@@ -89,6 +91,13 @@ def test_bad_values_name_their_key(override, key):
     (["rollout.colocate=true", "rollout.weight_sync=disk", "rollout.server_urls=[http://a:1]",
       "rollout.server_nodes=[n1, n2]"],
      "rollout.server_nodes: names 2 node"),
+    # Sampling beside training: the servers must be free while the trainer trains, and the batch is corrected
+    # for the older weights that sampled it.
+    (["rollout.mode=one_step_off", "loss.tis_cap=2", "rollout.engine=local"],
+     "rollout.mode: 'one_step_off' .* set rollout.engine to 'sglang'"),
+    (["rollout.mode=one_step_off", "loss.tis_cap=2", "rollout.colocate=true", "rollout.weight_sync=disk"],
+     "rollout.mode: 'one_step_off' .* rollout.colocate .* set rollout.colocate to false"),
+    (["rollout.mode=one_step_off"], "loss.tis_cap: must be set with rollout.mode 'one_step_off'"),
 ])
 def test_bad_combinations_name_a_key(overrides, key):
     with pytest.raises(ConfigError, match=key):

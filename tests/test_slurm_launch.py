@@ -141,17 +141,20 @@ def assert_no_process_left(*texts: str) -> None:
 
 @pytest.mark.slow
 def test_train_then_sglang_step_killed_then_resume(cluster, task, tmp_path):  # noqa: F811
+    """Disaggregated, in rollout.mode one_step_off: the server samples the next batch while the trainer trains."""
     out = tmp_path / "run"
     out.mkdir()
-    job = submit(cluster, out, task)
+    mode = ("rollout.mode=one_step_off", "loss.tis_cap=2.0")
+    job = submit(cluster, out, task, *mode)
     state, code = wait_job(cluster, job, out)
     assert (state, code) == ("COMPLETED", "0:0"), job_output(out, job)
     assert [r["step"] for r in metrics(out)] == [1, 2]
+    assert [r["staleness"] for r in metrics(out)] == [0, 1]  # step 2's batch was sampled during step 1
     assert (out / "checkpoints" / "step_000002" / "COMPLETE").is_file()
     assert "launch: training finished" in job_output(out, job)
 
     # the SGLang step is cancelled as soon as it serves: the job stops training and fails, naming it
-    job = submit(cluster, out, task, "train.steps=3")
+    job = submit(cluster, out, task, "train.steps=3", *mode)
     url_file = out / "slurm" / f"job-{job}" / "sglang-0.url"
     deadline = time.monotonic() + 900
     while not url_file.exists() and time.monotonic() < deadline:
@@ -168,7 +171,7 @@ def test_train_then_sglang_step_killed_then_resume(cluster, task, tmp_path):  # 
     assert_no_process_left(str(tmp_path), str(task))
 
     # the same job script again: it resumes from step 2's checkpoint and runs step 3 only
-    job = submit(cluster, out, task, "train.steps=3")
+    job = submit(cluster, out, task, "train.steps=3", *mode)
     state, code = wait_job(cluster, job, out)
     assert (state, code) == ("COMPLETED", "0:0"), job_output(out, job)
     assert [r["step"] for r in metrics(out)] == [1, 2, 3]

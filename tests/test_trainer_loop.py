@@ -189,3 +189,41 @@ def test_steps_with_non_finite_updates_are_logged_with_their_batch_and_stop_the_
     assert "update(s) [1] of 2 skipped" in said[0] and "the other updates were applied" in said[0]
     assert "nothing was applied, the servers keep their weights" in said[1]
     assert all("dataset rows): [3, 17]" in m for m in said)
+
+
+def test_sglang_one_step_off_samples_beside_training_and_resumes_with_its_buffer(task, tmp_path):
+    """rollout.mode one_step_off with a real SGLang server: each batch after the first is sampled by the weights
+    of the step before (staleness 1, corrected by truncated IS); a run killed after a checkpoint resumes with the
+    batch it had sampled for the next step, and its next steps equal the uninterrupted run's."""
+    sglang = {"engine": "sglang", "server_device": "cpu", "weight_sync": "disk", "server_startup_timeout_s": 900,
+              "deterministic": True, "mode": "one_step_off"}
+    sections = dict(rollout=sglang, loss={"tis_cap": 2.0}, train={"steps": 4, "checkpoint_every": 2},
+                    eval={"every": 0})
+    full_out = tmp_path / "full"
+    full = config(task, full_out, **sections)
+    finish(launch(full, 1), full)
+    want = metrics(full_out)
+    assert [r["weight_version"] for r in want] == [0, 0, 1, 2]  # the first batch waits for the initial weights
+    assert [r["staleness"] for r in want] == [0, 1, 1, 1]
+    for r in want:
+        assert r["groups_kept"] >= 1 and r["loss_tokens"] > 0 and r["updates"] >= 1
+        assert 0 < r["tis/weight_mean"] <= 2.0
+    assert "time/rollout_wait" in want[0] and "time/rollout_wait" not in want[3]  # nothing sampled past the end
+
+    out = tmp_path / "resumed"
+    cfg = config(task, out, **sections)
+    proc = launch(cfg, 1)
+    marker = out / "checkpoints" / "step_000002" / "COMPLETE"
+    deadline = time.monotonic() + 900
+    while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert marker.exists(), cfg.with_suffix(".log").read_text()[-8000:]
+    kill_tree(proc)  # step 3 is training on the buffered batch, or about to
+    assert (marker.parent / "driver" / "rollout_buffer.pt").is_file()
+    finish(launch(cfg, 1), cfg)  # resumes from step 2 with the batch sampled for step 3
+
+    got = metrics(out)
+    assert [r["step"] for r in got] == [1, 2, 3, 4]
+    for i in (2, 3):
+        expected = {k: v for k, v in want[i].items() if not k.startswith(TIMING) and k != "time"}
+        assert {k: got[i][k] for k in expected} == pytest.approx(expected, rel=1e-6, abs=1e-9), i + 1

@@ -7,6 +7,7 @@ A checkpoint is one folder, ROOT/step_000123/, holding
                        reshardable format: it too loads at another TP x PP x DP)
   rng/rank_00000.pt    each rank's RNG states: python, numpy, torch (CPU, and CUDA on GPUs), megatron's tracker
   trainer_state.json   the step, the model's shape, the layout, and the caller's `extra`
+  driver/NAME.pt       the caller's rank-0 state too large for JSON (the batch sampled for the next step)
   COMPLETE             written last
 It is written as step_000123.tmp/ and renamed when complete, so a crash leaves the earlier
 checkpoints and a leftover that `latest_checkpoint` ignores. Save and load are collective over all
@@ -37,7 +38,7 @@ log = logging.getLogger(__name__)
 FORMAT = 1
 MARKER = "COMPLETE"
 STATE_FILE = "trainer_state.json"
-MODEL_DIR, OPTIMIZER_DIR, RNG_DIR = "model", "optimizer", "rng"
+MODEL_DIR, OPTIMIZER_DIR, RNG_DIR, DRIVER_DIR = "model", "optimizer", "rng", "driver"
 _NAME = re.compile(r"step_(\d+)")
 # Gathers the optimizer state into model-shaped tensors: a checkpoint loads at another TP x PP x DP.
 _OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable"}
@@ -197,7 +198,7 @@ def _prepare(root: Path, step: int) -> str:
     for leftover in root.glob("step_*.tmp"):  # an interrupted save's; only this run writes here
         shutil.rmtree(leftover)
     tmp.mkdir()
-    for sub in (MODEL_DIR, OPTIMIZER_DIR, RNG_DIR):
+    for sub in (MODEL_DIR, OPTIMIZER_DIR, RNG_DIR, DRIVER_DIR):
         (tmp / sub).mkdir()
     return str(tmp)
 
@@ -218,10 +219,12 @@ def _finish(root: Path, tmp: Path, step: int, keep_last: int | None, state: dict
     return str(final)
 
 
-def save_trainer_checkpoint(root, step: int, trainer, extra: dict, keep_last: int | None = None) -> Path:
+def save_trainer_checkpoint(root, step: int, trainer, extra: dict, keep_last: int | None = None,
+                            driver_state: dict[str, dict] | None = None) -> Path:
     """Collective: checkpoint `trainer` (model, optimizer, step counter, every rank's RNG) and `extra`
     (JSON-serialisable: data position, config snapshot, ...) as ROOT/step_{step}/; then delete all but
-    the newest `keep_last` complete checkpoints (None keeps all). Returns the checkpoint's folder."""
+    the newest `keep_last` complete checkpoints (None keeps all). `driver_state` (rank 0's; name -> dict of
+    tensors, lists and numbers) is written as driver/NAME.pt (read_driver_state). Returns the folder."""
     if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
         raise ConfigError(f"keep_last: must be a whole number >= 1 (or None to keep every checkpoint), "
                           f"got {keep_last!r}")
@@ -233,6 +236,9 @@ def save_trainer_checkpoint(root, step: int, trainer, extra: dict, keep_last: in
     tmp = Path(_rank0_then_share(_prepare, root, step))
     on_gpu = trainer.parallel.device == "cuda"
     torch.save(_rng_state(on_gpu), tmp / RNG_DIR / f"rank_{dist.get_rank():05d}.pt")
+    if dist.get_rank() == 0:
+        for name, state in (driver_state or {}).items():
+            torch.save(state, tmp / DRIVER_DIR / f"{name}.pt")
     from megatron.core import dist_checkpointing
 
     save_model(trainer.module, tmp / MODEL_DIR)
@@ -294,3 +300,10 @@ def load_trainer_checkpoint(path, trainer) -> dict:
                     "restored (the run continues, not bitwise as it would have)", path, state["layout"], _layout())
     dist.barrier()
     return state["extra"]
+
+
+def read_driver_state(path, name: str) -> dict | None:
+    """Rank 0's `name` state saved with the checkpoint at `path` (save_trainer_checkpoint's driver_state),
+    or None if it was saved without one."""
+    file = Path(path) / DRIVER_DIR / f"{name}.pt"
+    return torch.load(file, weights_only=True) if file.is_file() else None

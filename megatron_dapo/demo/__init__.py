@@ -43,7 +43,8 @@ DAPO = {
 }
 
 
-def _prepare(out: Path, seed: int):
+def prepare_task(out: Path, seed: int):
+    """The demo task in `out`: train.jsonl, eval.jsonl, the tiny random model (base/); the warm start's pairs."""
     rows = generate_rows(NUM_ROWS, seed, **TASK)
     train, held_out = split_held_out(rows, NUM_EVAL, seed)
     write_rows(out / "train.jsonl", train)
@@ -66,7 +67,7 @@ def run_demo(output_dir: str = "runs/demo", seed: int = 0, log_file: Path | None
     out.mkdir(parents=True, exist_ok=True)
     times = {}
     start = time.perf_counter()
-    pairs = _prepare(out, seed)
+    pairs = prepare_task(out, seed)
     times["data + tiny model"] = time.perf_counter() - start
     t = time.perf_counter()
     steps, accuracy = supervised_warm_start(out / "base", out / "warm", pairs, seed=seed, **WARM_START)

@@ -2,7 +2,8 @@
 
 Per loss token, log_ratio = log pi_old - log pi_rollout (the trainer's recomputation against the
 engine's log-prob of the sampled token). The weight min(exp(log_ratio), cap) corrects the loss for
-that mismatch (truncated importance sampling, loss.tis_cap). The metrics are sums over a rank's loss
+that mismatch (truncated importance sampling, loss.tis_cap), or, with loss.tis_mode "mask", exp(log_ratio)
+up to the cap and 0 past it (the token left out). The metrics are sums over a rank's loss
 tokens, kept on the rank's device and summed over the world once per step.
 """
 
@@ -14,12 +15,15 @@ import torch.distributed as dist
 MISMATCH_KEYS = ("tokens", "entropy_sum", "mismatch_k3_sum", "mismatch_abs_sum", "tis_weight_sum", "tis_capped")
 
 
-def tis_weights(log_ratio: torch.Tensor, cap: float) -> torch.Tensor:
-    return torch.exp(log_ratio).clamp(max=cap)
+def tis_weights(log_ratio: torch.Tensor, cap: float, mode: str = "truncate") -> torch.Tensor:
+    ratio = torch.exp(log_ratio)
+    if mode == "mask":
+        return torch.where(ratio > cap, torch.zeros_like(ratio), ratio)
+    return ratio.clamp(max=cap)
 
 
 def mismatch_sums(log_ratio: torch.Tensor, entropy: torch.Tensor, in_loss: torch.Tensor,
-                  tis_cap: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+                  tis_cap: float | None, tis_mode: str = "truncate") -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's sums (MISMATCH_KEYS, float64 [6]) and largest |log_ratio| ([1]) over the tokens where
     `in_loss`; every input is one entry per token, on the same device, and so are the results."""
     r = log_ratio[in_loss].double()
@@ -28,7 +32,7 @@ def mismatch_sums(log_ratio: torch.Tensor, entropy: torch.Tensor, in_loss: torch
     ratio = torch.exp(r)
     sums = torch.stack([
         in_loss.sum().double(), entropy[in_loss].double().sum(), k3.sum(), r.abs().sum(),
-        tis_weights(r, tis_cap).sum() if tis_cap is not None else zero,
+        tis_weights(r, tis_cap, tis_mode).sum() if tis_cap is not None else zero,
         (ratio > tis_cap).sum().double() if tis_cap is not None else zero])
     abs_max = r.abs().max().reshape(1) if r.numel() else r.new_zeros(1)
     return sums, abs_max

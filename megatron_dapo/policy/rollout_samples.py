@@ -6,7 +6,7 @@ like the reference policy's, they are those of softmax(logits / rollout.temperat
 distribution the engine sampled from and whose log-probs it returned.
 Everything per token is built once for the share, on the rank's device, and cut into per-response
 views: the engine's log-probs travel to the device in one copy. When loss.tis_cap is set, each token
-is weighted by min(pi_old / pi_rollout, cap) (truncated importance sampling).
+is weighted by min(pi_old / pi_rollout, cap) (truncated importance sampling; policy/mismatch.py).
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ def _flat_logprobs(model, seqs: list[Sequence], numel: int, device: torch.device
 
 
 def training_samples(model, reference, share: PackedShare, *, spec, max_tokens_per_micro_batch: int,
-                     device: torch.device, tis_cap: float | None, temperature: float = 1.0
+                     device: torch.device, tis_cap: float | None, tis_mode: str = "truncate",
+                     temperature: float = 1.0
                      ) -> tuple[list[RolloutSample], torch.Tensor, torch.Tensor]:
     """RolloutSamples for `share` (this rank's responses), on `device`; and this rank's mismatch sums
     (MISMATCH_KEYS) and largest |log pi_old - log pi_rollout| over its loss tokens (zeros on all but one
@@ -53,7 +54,7 @@ def training_samples(model, reference, share: PackedShare, *, spec, max_tokens_p
     in_loss = share.in_loss.to(device).repeat_interleave(per_token)
     log_ratio = old.double() - rollout  # log pi_old / pi_rollout
     none = [None] * len(share)
-    weights = tis_weights(log_ratio, tis_cap).float().split(lengths) if tis_cap is not None else none
+    weights = tis_weights(log_ratio, tis_cap, tis_mode).float().split(lengths) if tis_cap is not None else none
     samples = [RolloutSample(seq, lp, adv, mask, r, w)
                for seq, lp, adv, mask, r, w in zip(
                    seqs, old.float().split(lengths), advantages.repeat_interleave(per_token).split(lengths),
@@ -61,7 +62,7 @@ def training_samples(model, reference, share: PackedShare, *, spec, max_tokens_p
 
     reporter = parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0
     if reporter and entropy is not None:
-        sums, abs_max = mismatch_sums(log_ratio, entropy, in_loss, tis_cap)
+        sums, abs_max = mismatch_sums(log_ratio, entropy, in_loss, tis_cap, tis_mode)
     else:
         sums, abs_max = torch.zeros(len(MISMATCH_KEYS), dtype=torch.float64, device=device), \
             torch.zeros(1, dtype=torch.float64, device=device)
