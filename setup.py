@@ -108,6 +108,7 @@ setup(
         # sglang 0.5.23 pins torch 2.14.1 and transformers 5.19.0: one environment holds all three.
         "torch==2.14.1",
         "megatron-core==0.16.1",
+        "aiohttp>=3.9",  # the SGLang engine's one async HTTP client
         "pybind11>=2.12",
         "math-verify[antlr4_13_2]>=0.8",
         "matplotlib",

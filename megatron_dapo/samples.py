@@ -27,7 +27,10 @@ class Sample:
     output_ids: list[int]
     logprobs: list[float]  # the engine's log-prob of each output token
     finish_reason: str  # "stop" or "length"
-    weight_version: str
+    weight_version: str  # of the weights that sampled its first token (the oldest, when they changed meanwhile)
+    # (version, first token, end) of each run of output tokens sampled by one version of the weights, when
+    # the engine reports them: weights pushed into a running server (partial rollouts) start a new run.
+    version_spans: tuple[tuple[str, int, int], ...] = ()
 
 
 @dataclass(frozen=True)

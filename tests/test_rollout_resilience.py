@@ -12,7 +12,6 @@ import signal
 import sys
 import threading
 import time
-import urllib.error
 from pathlib import Path
 
 import pytest
@@ -23,8 +22,9 @@ from tiny_models import save_with_tokenizer  # noqa: E402
 
 from megatron_dapo.rollout.engine import SamplingParams  # noqa: E402
 from megatron_dapo.rollout.router import SGLangRouter  # noqa: E402
-from megatron_dapo.rollout.sglang_engine import RolloutError, SGLangEngine  # noqa: E402
-from megatron_dapo.rollout.sglang_server import SGLangServer, SGLangServerConfig, ServerError, post_json  # noqa: E402
+from megatron_dapo.rollout.sglang_engine import HTTPStatusError, RolloutError, SGLangEngine  # noqa: E402
+from megatron_dapo.rollout.sglang_server import ServerError, SGLangServer, SGLangServerConfig, post_json  # noqa: E402
+from megatron_dapo.weight_sync.server_calls import generation_paused  # noqa: E402
 
 pytestmark = pytest.mark.slow
 PROMPTS = ["What is 3 plus 4?", "Compute 12 times 3.", "If x + 2 = 5 then", "A triangle has angles",
@@ -49,9 +49,9 @@ def counted(engine: SGLangEngine) -> list:
     """Record (server URL, request id) of every /generate call the engine sends."""
     calls, post = [], engine._post_group
 
-    def post_and_count(server, index, prompt, n, params, rid):
+    async def post_and_count(server, index, prompt, n, params, rid):
         calls.append((server.url, rid))
-        return post(server, index, prompt, n, params, rid)
+        return await post(server, index, prompt, n, params, rid)
 
     engine._post_group = post_and_count
     return calls
@@ -90,9 +90,7 @@ def test_abort_ends_the_stream_and_cancels_the_rest_on_the_server(setup):
             stream.abort()
     assert len(got) == 2 and list(stream) == []
     stream.abort()  # a second abort is harmless
-    for w in stream._workers:
-        w.join(timeout=120)
-    assert not any(w.is_alive() for w in stream._workers)
+    stream.finished.result(timeout=120)  # no call of the stream left in flight
     # Only calls already in flight (at most max_in_flight) may still have gone out after the abort.
     assert len(calls) <= sent_before_abort + 3 < 32
     # Calls cut off by the abort left nothing queued or running on the server, and it still serves.
@@ -114,8 +112,7 @@ def test_cancelled_groups_are_aborted_never_retried_and_never_handed_out(setup):
     assert sorted(g[0].prompt_index for g in groups) == [0, 2, 3, 4, 5, 7]
     for g in groups:
         check_group(g, 2, 64)
-    for w in stream._workers:
-        w.join(timeout=120)
+    stream.finished.result(timeout=120)
     sent = sorted(rid.split("-", 2)[2] for _, rid in calls)
     assert sent == ["p0-a0", "p1-a0", "p2-a0", "p3-a0", "p4-a0", "p5-a0", "p7-a0"]  # 1 not sent again, 6 never
     assert [rid.split("-", 2)[2] for rid in aborted] == ["p1-a0_0", "p1-a0_1"]  # on the server
@@ -127,12 +124,12 @@ def test_transient_failures_are_retried_with_the_whole_group(setup):
     engine = SGLangEngine(server.url, max_in_flight=4, retry_backoff_s=0.1)
     post, failed = engine._post_group, []
 
-    def flaky(srv, index, prompt, n, params, rid):  # every group's first call is cut off, once by a 503
+    async def flaky(srv, index, prompt, n, params, rid):  # every group's first call is cut off, once by a 503
         if not rid.endswith("-a0"):
-            return post(srv, index, prompt, n, params, rid)
+            return await post(srv, index, prompt, n, params, rid)
         failed.append(rid)
         if len(failed) == 1:
-            raise urllib.error.HTTPError(f"{srv.url}/generate", 503, "Service Unavailable", None, None)
+            raise HTTPStatusError(503, "Service Unavailable")
         raise ConnectionResetError("connection reset by peer")
 
     engine._post_group = flaky
@@ -142,7 +139,7 @@ def test_transient_failures_are_retried_with_the_whole_group(setup):
     assert counts == {i: 3 for i in range(len(prompts))}
     assert len(failed) == len(prompts) and stream.resubmitted == len(prompts) and engine.restarts == 0
 
-    def always_reset(*args):
+    async def always_reset(*args):
         raise ConnectionResetError("connection reset by peer")
 
     engine = SGLangEngine(server.url, max_attempts=2, retry_backoff_s=0.1)
@@ -202,6 +199,35 @@ def test_groups_through_sglang_router(setup):
         stream.abort()
         assert len(first) == 2 and list(stream) == []
         assert engine.healthy()
+
+
+def test_weights_pushed_into_a_running_server_reach_the_responses_in_flight(setup):
+    """Partial rollouts: generation paused in place, new weights loaded under a new version, generation goes
+    on. A response in flight at the push keeps its first tokens' version and its later tokens carry the new
+    one; its Sample says the oldest version (staleness counts from it)."""
+    server, prompts, root = setup
+    reset = post_json(f"{server.url}/update_weights_from_disk", {"model_path": str(root / "model"),
+                                                                 "weight_version": "0"}, 300)
+    assert reset["success"], reset
+    engine = SGLangEngine(server.url, max_in_flight=8)
+    stream = engine.stream(prompts * 3, 2, SamplingParams(max_new_tokens=64, ignore_eos=True))
+    samples = []
+    for group in stream:
+        if not samples:  # the next groups are decoding
+            with generation_paused([server.url], 300):
+                out = post_json(f"{server.url}/update_weights_from_disk",
+                                {"model_path": str(root / "model"), "weight_version": "1", "flush_cache": False}, 300)
+                assert out["success"], out
+        samples += group
+    assert len(samples) == 2 * 3 * len(prompts) and all(len(s.output_ids) == 64 for s in samples)
+    spanned = [s for s in samples if len(s.version_spans) == 2]
+    assert spanned, [s.version_spans for s in samples]  # responses that were running at the push
+    for s in spanned:
+        (old, start, cut), (new, cut2, end) = s.version_spans
+        assert (old, new, start, end) == ("0", "1", 0, 64) and cut == cut2 and 0 < cut < 64
+        assert s.weight_version == "0"
+    assert samples[-1].version_spans == (("1", 0, 64),) and samples[-1].weight_version == "1"  # sent after it
+    engine.close()
 
 
 # Last: these kill the shared server.

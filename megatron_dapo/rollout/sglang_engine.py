@@ -7,31 +7,37 @@ comes back whole or fails whole, and only whole groups are handed out, each once
 failed is sent again, under new ids, and never returned twice. A group the consumer cancels
 (`abort([index])`) is aborted on its server if in flight, never sent (again), never handed out.
 
+HTTP goes through one asyncio event loop (a thread of the engine's) and one aiohttp session with
+keep-alive connections: a group in flight is a coroutine, not a thread, and the consumer's thread only
+reads finished groups from a queue. At the paper's scale (hundreds of groups in flight, a 20K-token JSON
+answer each) a thread per group contends with the trainer for the interpreter.
+
 When a call fails the engine asks whether its server is still there (its process, then /health). If it
 is, the failure was transient: wait (exponential backoff) and try again. If not, the server is restarted
 (an `SGLangServer` the engine was given) or waited for (a bare URL), `on_server_restart(url)` puts the
 trainer's latest weights back into it, and the failed groups go again. Both are bounded: a group is
-tried `max_attempts` times, a server restarted `max_server_restarts` times in a row.
+tried `max_attempts` times, a server restarted `max_server_restarts` times in a row. Recovery blocks (a
+restart takes minutes), so it runs on worker threads, off the event loop.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import dataclasses
-import http.client
+import json
 import queue
 import threading
 import time
-import urllib.error
 import uuid
-from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Coroutine, Iterable, Iterator, Sequence
 from pathlib import Path
+
+import aiohttp
 
 from megatron_dapo.rollout.engine import Sample, SamplingParams, sample_seed
 from megatron_dapo.rollout.router import SGLangRouter
-from megatron_dapo.rollout.sglang_server import (SGLangServer, SGLangServerConfig, ServerError, health_ok, post_json,
-                                                 wait_until)
+from megatron_dapo.rollout.sglang_server import ServerError, SGLangServer, SGLangServerConfig, health_ok, wait_until
 
 ROUTER_MIN_SERVERS = 4  # `launch` puts this many servers or more behind sglang-router
 ABORT_TIMEOUT_S = 5.0
@@ -42,6 +48,18 @@ class RolloutError(RuntimeError):
     """A group could not be sampled (the server refused it, or every try failed)."""
 
 
+class HTTPStatusError(RuntimeError):
+    """The server answered with an error status."""
+
+    def __init__(self, code: int, body: str):
+        super().__init__(f"HTTP {code}: {body}")
+        self.code, self.body = code, body
+
+
+# What a failed call raises short of an error status: refused, reset, cut short, timed out.
+TRANSIENT = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
+
+
 class _Server:
     """One SGLang server as the engine sees it. `generation` counts its restarts: a failure seen in an
     older generation has been dealt with already."""
@@ -49,9 +67,9 @@ class _Server:
     def __init__(self, url: str, process: SGLangServer | None):
         self.url = url.rstrip("/")
         self.process = process
-        self.lock = threading.Lock()  # held while it is being restarted / waited for
+        self.lock = threading.Lock()  # held (by a recovery thread) while it is being restarted / waited for
         self.generation = 0
-        self.in_flight = 0
+        self.in_flight = 0  # calls sent to it and not yet answered (the event loop's count)
         self.restarts_in_a_row = 0
 
 
@@ -94,10 +112,13 @@ class SGLangEngine:
         self.reattach_timeout_s = reattach_timeout_s
         self.on_server_restart = on_server_restart
         self.restarts = 0  # servers restarted or re-attached over the engine's life
-        self._slots = threading.BoundedSemaphore(max_in_flight)
-        self._pick_lock = threading.Lock()
         self._router_lock = threading.Lock()
         self._launched: list = []  # processes `launch` started, stopped by `close`
+        # The event loop, its thread and what lives on it, made on first use.
+        self._loop_lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._session: aiohttp.ClientSession | None = None
+        self._slots: asyncio.Semaphore | None = None  # max_in_flight calls at once, over all streams
 
     @classmethod
     def launch(cls, configs: Sequence[SGLangServerConfig], log_dir, *, use_router: bool | None = None,
@@ -129,10 +150,44 @@ class SGLangEngine:
         return engine
 
     def close(self) -> None:
-        """Stop the processes `launch` started (servers given by the caller are theirs to stop)."""
+        """Close the HTTP session and stop the processes `launch` started (servers given by the caller are
+        theirs to stop)."""
+        with self._loop_lock:
+            loop, session, self._loop, self._session, self._slots = self._loop, self._session, None, None, None
+        if loop is not None:
+            if session is not None:
+                asyncio.run_coroutine_threadsafe(session.close(), loop).result(timeout=30)
+            loop.call_soon_threadsafe(loop.stop)
         for p in reversed(self._launched):
             p.stop()
         self._launched = []
+
+    def _submit(self, coro: Coroutine) -> concurrent.futures.Future:
+        """Run `coro` on the engine's event loop (started on first use)."""
+        with self._loop_lock:
+            if self._loop is None:
+                self._loop = asyncio.new_event_loop()
+                # Recoveries block on restarts and backoffs: enough threads that one waiting for its server to
+                # come back never holds up another group's.
+                self._loop.set_default_executor(concurrent.futures.ThreadPoolExecutor(
+                    max_workers=self.max_in_flight, thread_name_prefix="sglang-recover"))
+                threading.Thread(target=self._loop.run_forever, name="sglang-engine", daemon=True).start()
+            return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    def _http(self) -> tuple[aiohttp.ClientSession, asyncio.Semaphore]:
+        """Event loop: the keep-alive session and the in-flight slots, made on first use."""
+        if self._session is None:
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))  # the slots bound it
+            self._slots = asyncio.Semaphore(self.max_in_flight)
+        return self._session, self._slots
+
+    async def _post(self, url: str, payload: dict, timeout: float) -> dict | list | None:
+        """Event loop: POST `payload` as JSON on the keep-alive session; the JSON answer, None when empty."""
+        async with self._http()[0].post(url, json=payload, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+            body = await resp.read()
+        if resp.status >= 400:
+            raise HTTPStatusError(resp.status, body.decode(errors="replace")[:1000])
+        return json.loads(body) if body.strip() else None
 
     def __enter__(self) -> SGLangEngine:
         return self
@@ -156,21 +211,16 @@ class SGLangEngine:
     # --- one group on one server ---------------------------------------------------------------------
 
     def _pick(self) -> _Server | None:
-        """The least busy server not being restarted, or None when all are."""
-        with self._pick_lock:
-            ready = [s for s in self.servers if not s.lock.locked()]
-            if not ready:
-                return None
-            server = min(ready, key=lambda s: s.in_flight)
-            server.in_flight += 1
-            return server
+        """Event loop: the least busy server not being restarted, or None when all are."""
+        ready = [s for s in self.servers if not s.lock.locked()]
+        if not ready:
+            return None
+        server = min(ready, key=lambda s: s.in_flight)
+        server.in_flight += 1
+        return server
 
-    def _release(self, server: _Server) -> None:
-        with self._pick_lock:
-            server.in_flight -= 1
-
-    def _post_group(self, server: _Server, index: int, prompt: list[int], n: int, params: SamplingParams,
-                    rid: str) -> list | dict:
+    async def _post_group(self, server: _Server, index: int, prompt: list[int], n: int, params: SamplingParams,
+                          rid: str) -> list | dict:
         sampling = {"temperature": params.temperature, "top_p": params.top_p,
                     "max_new_tokens": params.max_new_tokens, "ignore_eos": params.ignore_eos}
         if params.stop_token_ids:
@@ -178,15 +228,20 @@ class SGLangEngine:
         if params.seed is not None:  # one seed per sample (a shared one would make the n samples identical)
             sampling = [dict(sampling, sampling_seed=sample_seed(params.seed, index, j)) for j in range(n)]
         payload = {"input_ids": [prompt] * n, "sampling_params": sampling, "rid": rid, "return_logprob": True}
-        return post_json(f"{(self.router or server).url}/generate", payload, self.timeout)
+        return await self._post(f"{(self.router or server).url}/generate", payload, self.timeout)
 
-    def _abort(self, in_flight: list[tuple[_Server, list[str]]]) -> None:
-        """Abort these calls on their servers (best effort). Through a router a call may be on any server;
-        an id a server does not hold is ignored there."""
+    async def _abort(self, in_flight: list[tuple[_Server, list[str]]]) -> None:
+        """Event loop: abort these calls on their servers, all at once (best effort). Through a router a call
+        may be on any server; an id a server does not hold is ignored there."""
         calls = [(t.url, rid) for server, rids in in_flight for t in (self.servers if self.router else [server])
                  for rid in rids]
-        with ThreadPoolExecutor(max_workers=16) as pool:
-            list(pool.map(_abort_one, calls))
+        await asyncio.gather(*(self._abort_one(url, rid) for url, rid in calls))
+
+    async def _abort_one(self, url: str, rid: str) -> None:
+        try:
+            await self._post(f"{url}/abort_request", {"rid": rid}, ABORT_TIMEOUT_S)
+        except (*TRANSIENT, HTTPStatusError):
+            pass  # a server that is gone has nothing left to abort
 
     def _server_alive(self, server: _Server) -> bool:
         if server.process is not None and not server.process.alive():
@@ -246,25 +301,22 @@ class SGLangEngine:
 
 
 class SGLangGroupStream:
-    """Groups of one `SGLangEngine.stream` call, handed out as they complete. Worker threads (no more
-    than the engine's `max_in_flight` calls at once, over all streams) each send one group at a time."""
+    """Groups of one `SGLangEngine.stream` call, handed out as they complete. Each group is a coroutine on
+    the engine's event loop (no more than the engine's `max_in_flight` calls at once, over all streams,
+    sent in prompt order); the consumer's thread reads finished groups from a queue."""
 
     def __init__(self, engine: SGLangEngine, prompts: list[list[int]], n: int, params: SamplingParams):
         self.engine, self.prompts, self.n, self.params = engine, prompts, n, params
         self.id = f"dapo-{uuid.uuid4().hex}"
         self.resubmitted = 0  # group calls sent again after a failure
-        self._lock = threading.Lock()
-        self._pending = deque(range(len(prompts)))
+        self._lock = threading.Lock()  # the sets below, shared by the event loop and the consumer
         self._in_flight: dict[int, tuple[_Server, list[str]]] = {}
         self._done: queue.Queue = queue.Queue()
         self._remaining = set(range(len(prompts)))  # neither handed out nor cancelled
         self._cancelled: set[int] = set()
         self._aborted = False
         self._error: BaseException | None = None
-        self._workers = [threading.Thread(target=self._work, name=f"{self.id}-w{i}", daemon=True)
-                         for i in range(min(engine.max_in_flight, len(prompts)))]
-        for w in self._workers:
-            w.start()
+        self.finished = engine._submit(self._run())  # done once no group of the stream is in flight any more
 
     def __iter__(self) -> Iterator[list[Sample]]:
         while self._remaining:
@@ -289,22 +341,9 @@ class SGLangGroupStream:
         self.abort()
 
     def abort(self, indices: Iterable[int] | None = None) -> None:
-        if indices is not None:
-            self._cancel(indices)
+        if indices is None:
+            self.engine._submit(self._abort_all()).result()
             return
-        with self._lock:
-            if self._aborted:
-                return
-            self._aborted = True
-            self._pending.clear()
-            in_flight = list(self._in_flight.values())
-        if in_flight:
-            self.engine._abort(in_flight)
-        self._done.put(None)
-
-    def _cancel(self, indices: Iterable[int]) -> None:
-        """Cancel some groups: the queued ones are never sent, the ones in flight are aborted on their
-        servers (their workers then drop them, without a retry), the completed ones are never handed out."""
         with self._lock:
             if self._aborted:
                 return
@@ -314,66 +353,70 @@ class SGLangGroupStream:
             self._cancelled |= new
             self._remaining -= new
             in_flight = [self._in_flight[i] for i in new if i in self._in_flight]
+        # The queued ones are never sent; the ones in flight are aborted on their servers (their coroutines then
+        # drop them, without a retry); the completed ones are never handed out.
         if in_flight:
-            self.engine._abort(in_flight)
+            self.engine._submit(self.engine._abort(in_flight)).result()
         self._done.put(_WAKE)
 
-    def _fail(self, error: BaseException) -> None:
+    async def _abort_all(self) -> None:
         with self._lock:
-            if not self._aborted and self._error is None:
-                self._error = error
-        self.abort()
-
-    def _work(self) -> None:
-        while True:
-            with self._lock:
-                while self._pending and self._pending[0] in self._cancelled:
-                    self._pending.popleft()
-                if self._aborted or not self._pending:
-                    return
-                index = self._pending.popleft()
-            try:
-                group = self._sample(index)
-            except BaseException as e:  # noqa: BLE001 -- handed to the consumer, who raises it
-                self._fail(e)
+            if self._aborted:
                 return
-            if group is not None:
-                self._done.put(group)
+            self._aborted = True
+            in_flight = list(self._in_flight.values())
+        if in_flight:
+            await self.engine._abort(in_flight)
+        self._done.put(None)
+
+    async def _run(self) -> None:
+        await asyncio.gather(*(self._group(i) for i in range(len(self.prompts))))
+
+    async def _group(self, index: int) -> None:
+        try:
+            group = await self._sample(index)
+        except Exception as e:  # noqa: BLE001 -- handed to the consumer, who raises it
+            with self._lock:
+                if not self._aborted and self._error is None:
+                    self._error = e
+            await self._abort_all()
+            return
+        if group is not None:
+            self._done.put(group)
 
     def _dropped(self, index: int) -> bool:
         return self._aborted or index in self._cancelled
 
-    def _sample(self, index: int) -> list[Sample] | None:
+    async def _sample(self, index: int) -> list[Sample] | None:
         """One group, tried until it comes back whole; None if the stream was aborted, or the group
         cancelled, meanwhile."""
         engine = self.engine
         error: BaseException | None = None
         for attempt in range(engine.max_attempts):
-            server = self._claim_slot()
-            if server is None:
-                return None
-            generation = server.generation
-            rid = f"{self.id}-p{index}-a{attempt}"
-            rids = [f"{rid}_{j}" for j in range(self.n)]  # SGLang's names for the samples of a batch call
-            try:
-                with self._lock:
-                    if self._dropped(index):
-                        return None
-                    self._in_flight[index] = (server, rids)
-                out = engine._post_group(server, index, self.prompts[index], self.n, self.params, rid)
-                error = None
-            except urllib.error.HTTPError as e:
-                out, error = None, e
-                if e.code < 500 and e.code != 429 and not self._dropped(index):
-                    raise RolloutError(f"SGLang refused the group of prompt {index} ({e.code}): "
-                                       f"{_error_body(e)}") from e
-            except (OSError, http.client.HTTPException) as e:  # refused, reset, cut short, timed out
-                out, error = None, e
-            finally:
-                with self._lock:
-                    self._in_flight.pop(index, None)
-                engine._release(server)
-                engine._slots.release()
+            async with engine._http()[1]:
+                server = await self._pick_server()
+                if server is None:
+                    return None
+                generation = server.generation
+                rid = f"{self.id}-p{index}-a{attempt}"
+                rids = [f"{rid}_{j}" for j in range(self.n)]  # SGLang's names for the samples of a batch call
+                try:
+                    with self._lock:
+                        if self._dropped(index):
+                            return None
+                        self._in_flight[index] = (server, rids)
+                    out = await engine._post_group(server, index, self.prompts[index], self.n, self.params, rid)
+                    error = None
+                except HTTPStatusError as e:
+                    out, error = None, e
+                    if e.code < 500 and e.code != 429 and not self._dropped(index):
+                        raise RolloutError(f"SGLang refused the group of prompt {index} ({e.code}): {e.body}") from e
+                except TRANSIENT as e:
+                    out, error = None, e
+                finally:
+                    with self._lock:
+                        self._in_flight.pop(index, None)
+                    server.in_flight -= 1
             if self._dropped(index):
                 return None
             if error is None:
@@ -382,15 +425,15 @@ class SGLangGroupStream:
                     server.restarts_in_a_row = 0
                     return samples
                 error = RolloutError("the server aborted it")  # not at our request: e.g. it was paused
-            engine._abort([(server, rids)])  # a call that timed out may still be running there
+            await engine._abort([(server, rids)])  # a call that timed out may still be running there
             if attempt + 1 < engine.max_attempts:
                 self.resubmitted += 1
-                self._recover(server, generation, attempt)
+                await asyncio.to_thread(self._recover, server, generation, attempt)
         raise RolloutError(f"the group of prompt {index} failed {engine.max_attempts} times (max_attempts); "
                            f"last error: {error!r}") from error
 
     def _recover(self, server: _Server, generation: int, attempt: int) -> None:
-        """Before trying a failed group again: bring back what died, else back off."""
+        """A worker thread, before trying a failed group again: bring back what died, else back off."""
         engine = self.engine
         engine._heal_router()
         # Through a router any server may have held the call: check them all.
@@ -401,18 +444,13 @@ class SGLangGroupStream:
         else:
             time.sleep(min(engine.retry_backoff_s * 2 ** attempt, 30.0))
 
-    def _claim_slot(self) -> _Server | None:
-        """Wait for an in-flight slot and a server that is up; None once the stream is aborted."""
-        engine = self.engine
-        while not engine._slots.acquire(timeout=0.5):
-            if self._aborted:
-                return None
+    async def _pick_server(self) -> _Server | None:
+        """A server that is up (waiting while every one is being restarted); None once the group is dropped."""
         while not self._aborted:
-            server = engine._pick()
+            server = self.engine._pick()
             if server is not None:
                 return server
-            time.sleep(0.5)  # every server is being restarted
-        engine._slots.release()
+            await asyncio.sleep(0.5)
         return None
 
 
@@ -445,20 +483,8 @@ def _parse_group(index: int, out, n: int) -> list[Sample] | None:
         logprobs = [float(lp) for lp, _, _ in meta["output_token_logprobs"]]
         if len(logprobs) != len(ids):
             raise RolloutError(f"SGLang returned {len(logprobs)} log-probs for {len(ids)} tokens (prompt {index})")
-        samples.append(Sample(index, ids, logprobs, reason, str(meta.get("weight_version", ""))))
+        # SGLang's weight_version is the newest; with weights pushed mid-response its spans say which made what.
+        spans = tuple((str(r["version"]), int(r["start"]), int(r["end"])) for r in meta.get("weight_versions") or ())
+        version = spans[0][0] if spans else str(meta.get("weight_version", ""))
+        samples.append(Sample(index, ids, logprobs, reason, version, spans))
     return samples
-
-
-def _abort_one(call: tuple[str, str]) -> None:
-    url, rid = call
-    try:
-        post_json(f"{url}/abort_request", {"rid": rid}, ABORT_TIMEOUT_S)
-    except (OSError, http.client.HTTPException):
-        pass  # a server that is gone has nothing left to abort
-
-
-def _error_body(e: urllib.error.HTTPError) -> str:
-    try:
-        return e.read().decode(errors="replace")[:1000]
-    except OSError:
-        return "(no body)"

@@ -6,8 +6,9 @@ import json
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 
 import torch.distributed as dist
 
@@ -50,6 +51,18 @@ def call_all(urls: list[str], endpoint: str, payload: dict | Callable[[int], dic
         futures = call_each(pool, urls, endpoint, make, timeout_s)
     for f in futures:
         f.result()
+
+
+@contextmanager
+def generation_paused(urls: list[str], timeout_s: float) -> Iterator[None]:
+    """Pause the servers' generation in place (requests keep their KV cache) for a weight update pushed while
+    they sample, then let it go on: the rest of each running response is sampled by the new weights, which the
+    servers record per response (SGLang's weight-version spans). The update must not flush the cache."""
+    call_all(urls, "/pause_generation", {"mode": "in_place"}, timeout_s)
+    try:
+        yield
+    finally:
+        call_all(urls, "/continue_generation", {}, timeout_s)
 
 
 def server_info(url: str, timeout_s: float = 30.0) -> dict:
