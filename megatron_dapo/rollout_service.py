@@ -1,12 +1,13 @@
 """The rollout service: training prompts -> engine -> math-verify -> advantages and dynamic sampling -> the
-kept batch of a step, ready to deal out; and held-out evaluation. Run by the driver (global rank 0).
+kept batch of a step, ready to deal out; and held-out evaluation.
 
-With SGLang servers each job (a step's batch, an evaluation) runs in a thread of the service's, one at a
-time, so that the driver's main thread keeps every collective to itself: it waits in `wait`, which returns
-RESYNC when a server restarted mid-job needs the trainer's weights (the main thread runs the sync with every
-rank, then calls `resynced`; engine threads never run a collective) and READY once the job is done. That
-thread (JobRunner) is what lets rollout.mode one_step_off sample the next step's batch while this one trains. The
-in-process engine samples with the live policy on the main thread (no server to restart; the
+One job at a time (a step's batch, an evaluation): `start_batch` / `start_eval`, then `wait` until it
+returns READY and `take` the result. `wait` returns RESYNC when a server restarted mid-job needs the
+trainer's weights (`restarted` names it): the driver's main thread, which keeps every collective to itself,
+syncs them with every rank and calls `resynced`. With SGLang servers the service runs in a process of its
+own (rollout_service_process.py), its jobs on a thread there (JobRunner), which is what lets
+rollout.mode one_step_off sample the next step's batch while this one trains. The in-process engine
+samples with the live policy, inline on the driver's main thread (no server to restart; the
 device-faithful checks are per thread).
 """
 
@@ -91,6 +92,19 @@ class RolloutService:
         """Start evaluating on the held-out prompts: take() then gives eval/avg@k and eval/pass@k ({} without)."""
         self.jobs.start("eval", self._evaluate)
 
+    def wait(self) -> str:
+        return self.jobs.wait()
+
+    @property
+    def restarted(self) -> str | None:
+        return self.jobs.restarted
+
+    def resynced(self) -> None:
+        self.jobs.resynced()
+
+    def take(self):
+        return self.jobs.take()
+
     # -- what the jobs do ---------------------------------------------------------------------------------
 
     def _score_group(self, prompt: PromptItem, samples) -> list[bool]:
@@ -149,8 +163,9 @@ class JobRunner:
         self._result = None
         self._error: BaseException | None = None
         self._done = threading.Event()
-        self._restarts: queue.SimpleQueue[threading.Event] = queue.SimpleQueue()
+        self._restarts: queue.SimpleQueue[tuple[str, threading.Event]] = queue.SimpleQueue()
         self._resyncing: threading.Event | None = None
+        self.restarted: str | None = None  # the server waiting for the weights, after wait() said RESYNC
 
     def start(self, job: str, run: Callable[[], object]) -> None:
         if self.job is not None:
@@ -167,7 +182,7 @@ class JobRunner:
         READY once the job is done (take() gives its result), or at once when there is none."""
         while self.job is not None:
             try:
-                self._resyncing = self._restarts.get(timeout=0.05)
+                self.restarted, self._resyncing = self._restarts.get(timeout=0.05)
                 return RESYNC
             except queue.Empty:
                 if self._done.is_set():  # a job waiting for a resync cannot be done
@@ -177,7 +192,7 @@ class JobRunner:
     def resynced(self) -> None:
         """Main thread: the weights are on the restarted server; its job goes on."""
         self._resyncing.set()
-        self._resyncing = None
+        self._resyncing = self.restarted = None
 
     def take(self):
         """The finished job's result; its error, raised, if it failed."""
@@ -189,14 +204,14 @@ class JobRunner:
             raise error
         return result
 
-    def server_restarted(self) -> None:
-        """An engine thread of the running job: a server came back without the trainer's weights; block until
-        the main thread has put them there (wait() -> RESYNC -> resynced())."""
+    def server_restarted(self, url: str) -> None:
+        """An engine thread of the running job: the server at `url` came back without the trainer's weights;
+        block until the main thread has put them there (wait() -> RESYNC -> resynced())."""
         if not self.threaded or self.job is None or self._done.is_set():
             raise RuntimeError("an SGLang server restarted outside a rollout or an evaluation, where no rank "
                                "waits to sync its weights; restart the run (it resumes from its last checkpoint)")
         done = threading.Event()
-        self._restarts.put(done)
+        self._restarts.put((url, done))
         done.wait()
 
     def _run(self, run: Callable[[], object]) -> None:

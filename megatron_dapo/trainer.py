@@ -5,8 +5,8 @@ each; rewards (+1 / -1 and the soft overlong penalty) are normalised inside the 
 advantages; groups that are all right or all wrong are dropped and sampling goes on until the batch
 is full (dynamic sampling); the policy recomputes the old log-probs; the batch is cut into
 mini-batches, each one optimizer step of the fused clipped token-level loss; the new weights go to
-the inference engine. Global rank 0 (the driver) runs the rollout service (rollout_service.py) and
-hands each rank its data-parallel share of the kept batch; the other ranks wait for it outside any
+the inference engine. Global rank 0 (the driver) asks the rollout service (rollout_service.py, in a
+process of its own over SGLang) for each batch and hands each rank its data-parallel share of it; the other ranks wait for it outside any
 collective (a paper-scale rollout outlasts any collective's watchdog); everything after that is
 collective. With rollout.mode one_step_off the service samples the next step's batch while this one
 trains, and the weights reach the servers once both are done. Colocated servers (rollout.colocate)
@@ -92,7 +92,7 @@ class DapoTrainer:
         self.batch_prompts: list[int] = []  # the driver's: dataset rows of the batch being trained on
         self.overlapped = cfg.rollout.mode == "one_step_off"
         self.next_batch: ReadyBatch | None = None  # the driver's: sampled, not yet trained on (one_step_off)
-        self.service = RolloutService(cfg, self._engine(), self.dp_size) if self.driver else None
+        self.service = self._rollout_service() if self.driver else None
         resume = latest_checkpoint(self.checkpoint_root) if cfg.train.resume else None
         if resume is not None:
             extra = load_trainer_checkpoint(resume, self.policy)
@@ -128,27 +128,27 @@ class DapoTrainer:
         load_hf_weights(ref, hf.get, self.spec, self.cfg.parallel)
         return ref.eval().requires_grad_(False)
 
-    def _engine(self):
+    def _rollout_service(self):
+        """The driver's rollout service: in a process of its own over SGLang servers (which it starts, unless
+        given their URLs); inline over the in-process engine, which samples with the live policy."""
         cfg = self.cfg
         if cfg.rollout.engine == "local":
             from megatron_dapo.rollout.local_engine import LocalEngine, hf_eos_token_ids
 
-            return LocalEngine(self.policy.module, vocab_size=self.spec.vocab_size,
-                               max_positions=self.spec.max_position_embeddings,
-                               eos_token_ids=hf_eos_token_ids(self.hf_config), device=self.runtime.device,
-                               seed=cfg.parallel.seed, weight_version=str(self.step_index))
-        from megatron_dapo.rollout.from_config import sglang_engine
+            engine = LocalEngine(self.policy.module, vocab_size=self.spec.vocab_size,
+                                 max_positions=self.spec.max_position_embeddings,
+                                 eos_token_ids=hf_eos_token_ids(self.hf_config), device=self.runtime.device,
+                                 seed=cfg.parallel.seed, weight_version=str(self.step_index))
+            return RolloutService(cfg, engine, self.dp_size)
+        from megatron_dapo.rollout_service_process import RolloutServiceProcess
 
-        return sglang_engine(cfg.rollout, cfg.model.path, self.output_dir / "sglang",
-                             on_server_restart=self._on_server_restart)
+        return RolloutServiceProcess(cfg, self.dp_size)
 
     def _server_urls(self) -> list[str]:
         """Every SGLang server's own URL (not the router's), on every rank; none for the local engine."""
         if self.cfg.rollout.engine == "local":
             return []
-        from megatron_dapo.rollout.from_config import server_urls
-
-        box = [server_urls(self.service.engine) if self.driver else None]
+        box = [self.service.server_urls if self.driver else None]
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
@@ -170,45 +170,49 @@ class DapoTrainer:
         softmax(logits / rollout.temperature) (rollout/logprob_check.py); a ConfigError on every rank if not."""
         from megatron_dapo.policy.forward import logprob_recomputer
         from megatron_dapo.rollout.logprob_check import check_engine_logprobs
+        from megatron_dapo.rollout.sglang_engine import SGLangEngine
 
         recompute = logprob_recomputer(self.policy.module, vocab_size=self.spec.vocab_size,
                                        max_positions=self.spec.max_position_embeddings,
                                        max_tokens_per_micro_batch=self.cfg.model.max_tokens_per_micro_batch,
                                        device=self.runtime.device)
-        a = check_engine_logprobs(self.service.engine if self.driver else None, recompute,
-                                  temperature=self.cfg.rollout.temperature)
+        engine = SGLangEngine(list(self.cfg.rollout.server_urls), max_server_restarts=0) if self.driver else None
+        try:
+            a = check_engine_logprobs(engine, recompute, temperature=self.cfg.rollout.temperature)
+        finally:
+            if engine is not None:
+                engine.close()
         if self.driver:
             log.info("rollout.server_urls: log-probs match the policy's at temperature %g (mean |diff| %.2g over %d "
                      "tokens; %.2g at temperature 1)", a.temperature, a.diff_tempered, a.tokens, a.diff_untempered)
 
     # -- the rollout ---------------------------------------------------------------------------------
 
-    def _on_server_restart(self, url: str) -> None:
-        """An engine thread: a server came back with its initial weights mid-job. The disk route reloads the
-        folder the others serve; the other routes need every rank: the main threads sync (_await_service)."""
-        from megatron_dapo.weight_sync.disk import DiskSyncer
-        from megatron_dapo.weight_sync.server_calls import call_all
-
-        if isinstance(self.syncer, DiskSyncer):
-            if self.syncer.loaded is not None:
-                call_all([url], "/update_weights_from_disk", {"model_path": str(self.syncer.loaded),
-                                                             "weight_version": str(self.step_index)},
-                         self.cfg.rollout.weight_sync_timeout_s)
-            return
-        self.service.jobs.server_restarted()
-
     def _await_service(self, word: str) -> None:
         """Every rank: until the driver's rollout service has done its job (then the driver says `word`);
-        a server restarted meanwhile gets the weights from every rank."""
+        a server restarted meanwhile gets the weights: from every rank, or with the disk route from the
+        folder the others serve."""
         if self.driver:
-            while self.service.jobs.wait() == RESYNC:
-                self.signal.post(RESYNC)
-                self.sync_weights()
-                self.service.jobs.resynced()
+            while self.service.wait() == RESYNC:
+                self._resync(self.service.restarted)
+                self.service.resynced()
             self.signal.post(word)
             return
         while self.signal.wait() == RESYNC:
             self.sync_weights()
+
+    def _resync(self, url: str) -> None:
+        """Driver: the weights onto the restarted server at `url`."""
+        from megatron_dapo.weight_sync.disk import DiskSyncer
+        from megatron_dapo.weight_sync.server_calls import call_all
+
+        if not isinstance(self.syncer, DiskSyncer):
+            self.signal.post(RESYNC)
+            self.sync_weights()
+        elif self.syncer.loaded is not None:
+            call_all([url], "/update_weights_from_disk", {"model_path": str(self.syncer.loaded),
+                                                         "weight_version": str(self.step_index)},
+                     self.cfg.rollout.weight_sync_timeout_s)
 
     def _share(self) -> tuple[PackedShare, dict[str, float]]:
         """Every rank: its data-parallel share of this step's kept batch (share_scatter.py), and the driver
@@ -218,7 +222,7 @@ class DapoTrainer:
         self._await_service("batch")
         if not self.driver:
             return self.scatter.receive(), {}
-        batch = self.next_batch if self.next_batch is not None else self.service.jobs.take()
+        batch = self.next_batch if self.next_batch is not None else self.service.take()
         self.next_batch = None
         self.batch_prompts = batch.prompts
         shares = deal_by_tokens(batch.items, self.dp_size, self.cfg.train.updates_per_step)
@@ -261,7 +265,7 @@ class DapoTrainer:
             with timer("rollout_wait"):  # the servers finish the next batch before they take the new weights
                 self._await_service("sampled")
             if self.driver:
-                self.next_batch = self.service.jobs.take()
+                self.next_batch = self.service.take()
         # Colocated servers released their weights for the trainer: they get them back even when nothing changed.
         if applied or self.server_memory is not None:
             with timer("sync"):
@@ -355,7 +359,7 @@ class DapoTrainer:
         if self.driver:
             self.service.start_eval()
         self._await_service("evaluated")
-        return self.service.jobs.take() if self.driver else {}
+        return self.service.take() if self.driver else {}
 
     def save_checkpoint(self) -> None:
         extra = {"step": self.step_index, "sampler": self.service.state_dict() if self.driver else None,

@@ -202,9 +202,10 @@ def test_groups_through_sglang_router(setup):
 
 
 def test_weights_pushed_into_a_running_server_reach_the_responses_in_flight(setup):
-    """Partial rollouts: generation paused in place, new weights loaded under a new version, generation goes
-    on. A response in flight at the push keeps its first tokens' version and its later tokens carry the new
-    one; its Sample says the oldest version (staleness counts from it)."""
+    """Partial rollouts: generation paused (running requests retracted), new weights loaded under a new version
+    (the cache flushed, as every sync route asks), generation goes on. A response in flight at the push keeps its
+    first tokens' version and its later tokens carry the new one; its Sample says the oldest version (staleness
+    counts from it)."""
     server, prompts, root = setup
     reset = post_json(f"{server.url}/update_weights_from_disk", {"model_path": str(root / "model"),
                                                                  "weight_version": "0"}, 300)
@@ -216,7 +217,7 @@ def test_weights_pushed_into_a_running_server_reach_the_responses_in_flight(setu
         if not samples:  # the next groups are decoding
             with generation_paused([server.url], 300):
                 out = post_json(f"{server.url}/update_weights_from_disk",
-                                {"model_path": str(root / "model"), "weight_version": "1", "flush_cache": False}, 300)
+                                {"model_path": str(root / "model"), "weight_version": "1"}, 300)
                 assert out["success"], out
         samples += group
     assert len(samples) == 2 * 3 * len(prompts) and all(len(s.output_ids) == 64 for s in samples)

@@ -13,13 +13,13 @@ def test_a_restart_during_a_job_waits_for_the_main_threads_resync():
     synced = []
 
     def rollout():
-        engine_thread = threading.Thread(target=jobs.server_restarted)  # as an engine worker thread calls it
+        engine_thread = threading.Thread(target=jobs.server_restarted, args=("http://s1",))  # an engine thread
         engine_thread.start()
         engine_thread.join()
         return f"sampled after {len(synced)} resync(s)"
 
     jobs.start("batch", rollout)
-    assert jobs.wait() == RESYNC
+    assert jobs.wait() == RESYNC and jobs.restarted == "http://s1"
     synced.append(1)  # the trainer syncs the weights to every server here, with every rank
     jobs.resynced()
     assert jobs.wait() == READY
@@ -50,8 +50,75 @@ def test_one_job_at_a_time_and_errors_reach_the_main_thread():
 
 def test_a_restart_where_no_rank_waits_is_an_error_not_a_hang():
     with pytest.raises(RuntimeError, match="restarted outside a rollout or an evaluation"):
-        JobRunner(threaded=True).server_restarted()
+        JobRunner(threaded=True).server_restarted("http://s1")
     inline = JobRunner(threaded=False)  # the in-process engine: no servers
     assert inline.wait() == READY
     inline.start("batch", lambda: 3)
     assert inline.wait() == READY and inline.take() == 3
+
+
+# -- the service in its own process -------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def service_config(tmp_path_factory):
+    """A run whose servers are given by URL (nothing listens there: these tests send no group)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent / "distributed"))
+    from tiny_models import save_with_tokenizer
+
+    from megatron_dapo.data.prompt_file import write_rows
+    from megatron_dapo.data.synthetic_math import generate_rows
+    from megatron_dapo.run_config import config_from_dict
+
+    root = tmp_path_factory.mktemp("service")
+    save_with_tokenizer(root / "model")
+    write_rows(root / "train.jsonl", generate_rows(64, 0))
+
+    def make(**data):
+        return config_from_dict({"model": {"path": str(root / "model")},
+                                 "data": {"train_path": str(root / "train.jsonl"), **data},
+                                 "rollout": {"server_urls": ["http://127.0.0.1:9"]},
+                                 "reward": {"num_workers": 1}, "train": {"output_dir": str(root / "run")}})
+    return make
+
+
+def test_the_service_process_reports_its_servers_and_its_data_position(service_config):
+    from megatron_dapo.rollout_service_process import RolloutServiceProcess
+
+    service = RolloutServiceProcess(service_config(), dp_size=1)
+    try:
+        assert service.server_urls == ["http://127.0.0.1:9"] and service.wait() == READY
+        state = service.state_dict()
+        service.load_state_dict(state)
+        assert service.state_dict() == state
+    finally:
+        service.close()
+    assert service._proc.exitcode == 0
+
+
+def test_a_service_that_cannot_start_or_dies_is_named_not_waited_for(service_config, tmp_path):
+    import os
+    import signal
+
+    from megatron_dapo.rollout_service_process import RolloutServiceError, RolloutServiceProcess
+
+    with pytest.raises(RolloutServiceError, match="did not start: .*missing.jsonl"):
+        RolloutServiceProcess(service_config(train_path=str(tmp_path / "missing.jsonl")), dp_size=1)
+
+    service = RolloutServiceProcess(service_config(), dp_size=1)
+    os.kill(service._proc.pid, signal.SIGKILL)
+    with pytest.raises(RolloutServiceError, match=r"process exited \(code -9\); its log: .*rollout.log"):
+        service.start_batch(0)
+        service.wait()
+    service.close()
+
+
+def test_the_service_process_stops_when_the_driver_is_gone(service_config):
+    from megatron_dapo.rollout_service_process import RolloutServiceProcess
+
+    service = RolloutServiceProcess(service_config(), dp_size=1)
+    service._conn.close()  # as when the driver dies
+    service._proc.join(60)
+    assert service._proc.exitcode == 0

@@ -420,7 +420,7 @@ class SGLangGroupStream:
             if self._dropped(index):
                 return None
             if error is None:
-                samples = _parse_group(index, out, self.n)
+                samples = parse_group(index, out, self.n)
                 if samples is not None:
                     server.restarts_in_a_row = 0
                     return samples
@@ -468,7 +468,7 @@ def _check_request(prompts, n, params) -> None:
             raise ValueError(f"prompts[{i}]: token ids must be ints >= 0, got {p!r:.80}")
 
 
-def _parse_group(index: int, out, n: int) -> list[Sample] | None:
+def parse_group(index: int, out, n: int) -> list[Sample] | None:
     """The n samples of one call, or None if the server aborted any of them."""
     items = out if isinstance(out, list) else [out]
     if len(items) != n:

@@ -55,10 +55,12 @@ def call_all(urls: list[str], endpoint: str, payload: dict | Callable[[int], dic
 
 @contextmanager
 def generation_paused(urls: list[str], timeout_s: float) -> Iterator[None]:
-    """Pause the servers' generation in place (requests keep their KV cache) for a weight update pushed while
-    they sample, then let it go on: the rest of each running response is sampled by the new weights, which the
-    servers record per response (SGLang's weight-version spans). The update must not flush the cache."""
-    call_all(urls, "/pause_generation", {"mode": "in_place"}, timeout_s)
+    """Pause the servers' generation for a weight update pushed while they sample, then let it go on. The
+    running requests are retracted (SGLang's pause mode "retract"): they keep their tokens and log-probs, the
+    update flushes the cache (no KV of the old weights stays), and on continuing each recomputes its prompt and
+    tokens so far under the new weights and samples the rest with them, which the server records per response
+    (its weight-version spans: the partial rollouts of rollout.mode async)."""
+    call_all(urls, "/pause_generation", {"mode": "retract"}, timeout_s)
     try:
         yield
     finally:

@@ -1,0 +1,172 @@
+"""The rollout service in a process of its own, beside the trainer's driver: the SGLang engine (and the servers
+it starts), the tokenizer, the reward pool and dynamic sampling live there, so that none of their host work
+(HTTP, JSON, detokenising, reward dispatch) competes with the training rank for its interpreter.
+
+`RolloutServiceProcess` is what the driver holds: the service's interface (rollout_service.py), each call a
+message over a pipe. The process runs one command at a time; while a job runs it forwards a restarted
+server's need for the weights (RESYNC) and waits for the driver's `resynced`, then sends the result. Batches
+travel packed (ReadyBatch.state_dict). Its log is `<train.output_dir>/rollout.log`. If the process dies,
+the driver's next call raises, naming it; if the driver dies, the process stops its servers and exits.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import traceback
+import weakref
+from pathlib import Path
+
+from megatron_dapo.rollout_service import READY, RESYNC, ReadyBatch
+from megatron_dapo.run_config import DapoConfig
+
+log = logging.getLogger(__name__)
+
+STOP_TIMEOUT_S = 120.0  # for the process to stop its servers and exit once asked
+
+
+class RolloutServiceError(RuntimeError):
+    """The rollout service failed, or its process is gone; the message carries its error."""
+
+
+class RolloutServiceProcess:
+    def __init__(self, cfg: DapoConfig, dp_size: int):
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self.log_path = Path(cfg.train.output_dir) / "rollout.log"
+        self._proc = ctx.Process(target=_serve, args=(cfg, dp_size, child), name="rollout-service")
+        self._proc.start()
+        child.close()
+        # A driver that exits without close() (an error while it sets up) hangs up: the service then stops its
+        # servers and exits, before multiprocessing's exit handler waits for it.
+        weakref.finalize(self, self._conn.close)
+        self._job: str | None = None
+        self._result: tuple | None = None
+        self.restarted: str | None = None
+        kind, value = self._recv()
+        if kind != "up":
+            self._proc.join(STOP_TIMEOUT_S)
+            raise RolloutServiceError(f"the rollout service did not start: {value}")
+        self.server_urls: list[str] = value
+
+    def _recv(self) -> tuple:
+        try:
+            return self._conn.recv()
+        except (EOFError, OSError):
+            self._proc.join(5)
+            raise RolloutServiceError(f"the rollout service process exited (code {self._proc.exitcode}); its log: "
+                                      f"{self.log_path}") from None
+
+    def _call(self, *message) -> None:
+        try:
+            self._conn.send(message)
+        except OSError:
+            self._recv()  # raises, naming the process's end
+
+    def start_batch(self, step: int) -> None:
+        self._start("batch", step)
+
+    def start_eval(self) -> None:
+        self._start("eval")
+
+    def _start(self, job: str, *args) -> None:
+        if self._job is not None:
+            raise RuntimeError(f"cannot start a {job} job while a {self._job} job's result is not taken")
+        self._job, self._result = job, None
+        self._call(job, *args)
+
+    def wait(self) -> str:
+        if self._job is None or self._result is not None:
+            return READY
+        message = self._recv()
+        if message[0] == RESYNC:
+            self.restarted = message[1]
+            return RESYNC
+        self._result = message
+        return READY
+
+    def resynced(self) -> None:
+        self.restarted = None
+        self._call("resynced")
+
+    def take(self):
+        if self._job is None or self._result is None:
+            raise RuntimeError("no finished job to take: start one and wait() for READY first")
+        (_, value, error), job = self._result, self._job
+        self._job = self._result = None
+        if error is not None:
+            raise RolloutServiceError(f"the rollout service's {job} job failed (its log: {self.log_path}):\n{error}")
+        return ReadyBatch.from_state_dict(value) if job == "batch" else value
+
+    def state_dict(self) -> dict:
+        self._call("state")
+        return self._recv()[1]
+
+    def load_state_dict(self, state: dict) -> None:
+        self._call("load_state", state)
+
+    def close(self) -> None:
+        if self._proc.is_alive():
+            try:
+                self._conn.send(("close",))
+            except OSError:
+                pass
+            self._proc.join(STOP_TIMEOUT_S)
+        if self._proc.is_alive():
+            log.warning("the rollout service did not stop within %.0f s; killing it", STOP_TIMEOUT_S)
+            self._proc.kill()
+            self._proc.join()
+        self._conn.close()
+
+
+def _serve(cfg: DapoConfig, dp_size: int, conn) -> None:
+    """The service process: build the service, then answer the driver's commands until told to close (or
+    until the driver is gone)."""
+    from megatron_dapo.rollout.from_config import server_urls, sglang_engine
+    from megatron_dapo.rollout_service import RolloutService
+    from megatron_dapo.run_logging import setup_run_logging
+
+    setup_run_logging(cfg.train.output_dir, "rollout")
+    engine = service = None
+    try:
+        engine = sglang_engine(cfg.rollout, cfg.model.path, Path(cfg.train.output_dir) / "sglang",
+                               on_server_restart=lambda url: service.jobs.server_restarted(url))
+        service = RolloutService(cfg, engine, dp_size)
+        conn.send(("up", server_urls(engine)))
+    except BaseException as e:  # noqa: BLE001 -- reported to the driver, which raises it
+        log.exception("the rollout service did not start")
+        conn.send(("failed", f"{type(e).__name__}: {e}"))
+        if engine is not None:
+            engine.close()
+        return
+    try:
+        while True:
+            command, *args = conn.recv()
+            if command == "close":
+                break
+            if command == "state":
+                conn.send(("state", service.state_dict()))
+            elif command == "load_state":
+                service.load_state_dict(*args)
+            else:
+                _run_job(service, conn, command, args)
+    except (EOFError, OSError):
+        log.warning("the driver is gone: stopping the rollout service")
+    finally:
+        service.close()
+
+
+def _run_job(service, conn, job: str, args: list) -> None:
+    (service.start_batch if job == "batch" else service.start_eval)(*args)
+    while service.wait() == RESYNC:
+        conn.send((RESYNC, service.restarted))
+        if conn.recv() != ("resynced",):
+            raise RuntimeError("the driver answered a resync request with something else")
+        service.resynced()
+    try:
+        result = service.take()
+    except Exception:  # noqa: BLE001 -- the driver raises it
+        log.exception("the rollout service's %s job failed", job)
+        conn.send(("done", None, traceback.format_exc()))
+        return
+    conn.send(("done", result.state_dict() if job == "batch" else result, None))
