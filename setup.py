@@ -109,6 +109,7 @@ setup(
         "torch==2.14.1",
         "megatron-core==0.16.1",
         "aiohttp>=3.9",  # the SGLang engine's one async HTTP client
+        "orjson>=3.9",  # and its JSON decoder
         "pybind11>=2.12",
         "math-verify[antlr4_13_2]>=0.8",
         "matplotlib",

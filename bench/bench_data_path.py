@@ -27,6 +27,7 @@ import os
 import pickle
 import time
 
+import orjson
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -114,7 +115,7 @@ def service_host_seconds(args) -> dict[str, float]:
         bodies.append(json.dumps(items).encode())
     seconds = {}
     start = time.perf_counter()
-    groups = [parse_group(i, json.loads(body), args.group) for i, body in enumerate(bodies)]
+    groups = [parse_group(i, orjson.loads(body), args.group) for i, body in enumerate(bodies)]
     seconds["JSON decode + parse"] = time.perf_counter() - start
     start = time.perf_counter()
     texts = [tokenizer.batch_decode([s.output_ids for s in group], skip_special_tokens=True) for group in groups]

@@ -162,7 +162,7 @@ class DataConfig:
         _whole(self.max_prompt_len, "data.max_prompt_len", 1)
 
 
-ROLLOUT_MODES = ("sync", "one_step_off")
+ROLLOUT_MODES = ("sync", "one_step_off", "async")
 
 
 @dataclass(frozen=True)
@@ -170,8 +170,14 @@ class RolloutConfig:
     engine: str = "sglang"  # "sglang" (servers) or "local" (the policy in-process: TP = PP = 1, for demos)
     # "sync": each step samples its batch from the weights it trains (on-policy). "one_step_off": the next
     # step's batch is sampled while this one trains, so each batch is one weight version old (servers and
-    # trainer both busy); the weights reach the servers at the step boundary.
+    # trainer both busy); the weights reach the servers at the step boundary, once that batch is done.
+    # "async": the servers sample the next max_staleness steps' batches back to back, and each step's new
+    # weights are pushed into them while they sample (partial rollouts: a response's later tokens come
+    # from the newer weights).
     mode: str = "sync"
+    # rollout.mode async: the batch a step trains on was started by weights at most this many steps older
+    # than the trainer's (a response's oldest token counts); groups older than that are dropped and counted.
+    max_staleness: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
     server_urls: list[str] = field(default_factory=list)  # attach to running servers; empty: start them
@@ -213,6 +219,10 @@ class RolloutConfig:
                      f"{self.mode!r} keeps the servers sampling while the trainer trains, but rollout.colocate "
                      "gives the servers' accelerators to the trainer while it trains; set rollout.colocate to "
                      "false (servers on nodes of their own), or rollout.mode to 'sync'")
+        _whole(self.max_staleness, "rollout.max_staleness", 1)
+        _require(self.mode == "async" or self.max_staleness == 1, "rollout.max_staleness",
+                 f"bounds rollout.mode 'async' only (one_step_off is one step stale by design); got "
+                 f"{self.max_staleness} with mode {self.mode!r}: set rollout.mode to 'async', or remove it")
         _positive(self.temperature, "rollout.temperature")
         # The trainer's log-probs are those of softmax(logits / temperature) over the whole vocabulary, what the
         # engines return for a sampled token; two settings would sample from another distribution.

@@ -1,18 +1,20 @@
 """The rollout service: training prompts -> engine -> math-verify -> advantages and dynamic sampling -> the
 kept batch of a step, ready to deal out; and held-out evaluation.
 
-One job at a time (a step's batch, an evaluation): `start_batch` / `start_eval`, then `wait` until it
-returns READY and `take` the result. `wait` returns RESYNC when a server restarted mid-job needs the
-trainer's weights (`restarted` names it): the driver's main thread, which keeps every collective to itself,
-syncs them with every rank and calls `resynced`. With SGLang servers the service runs in a process of its
-own (rollout_service_process.py), its jobs on a thread there (JobRunner), which is what lets
-rollout.mode one_step_off sample the next step's batch while this one trains. The in-process engine
+Jobs (a step's batch, an evaluation) run one after another in the order queued: `start_batch` /
+`start_eval`, then `wait` until the oldest is done (READY) and `take` its result. `wait` returns RESYNC when
+a server restarted mid-job needs the trainer's weights (`restarted` names it): the driver's main thread,
+which keeps every collective to itself, syncs them with every rank and calls `resynced`. With SGLang
+servers the service runs in a process of its own (rollout_service_process.py), its jobs on a thread there
+(JobRunner), which is what lets the overlapping rollout modes sample the next steps' batches while this
+one trains. The in-process engine
 samples with the live policy, inline on the driver's main thread (no server to restart; the
 device-faithful checks are per thread).
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import queue
@@ -30,7 +32,7 @@ from megatron_dapo.rank_shares import PackedShare
 from megatron_dapo.reward import RewardPool
 from megatron_dapo.rollout.engine import SamplingParams, sample_seed
 from megatron_dapo.run_config import DapoConfig
-from megatron_dapo.samples import PromptItem, TrainItem
+from megatron_dapo.samples import PromptItem, TrainItem, version_number
 
 log = logging.getLogger(__name__)
 
@@ -80,24 +82,27 @@ class RolloutService:
                                               self.params, dp_size=dp_size)
         self.jobs = JobRunner(threaded=cfg.rollout.engine == "sglang")
 
-    # -- jobs -----------------------------------------------------------------------------------------
+    # -- jobs ---------------------------------------------------------------------------------------
 
     def start_batch(self, step: int) -> None:
-        """Start sampling the kept batch of rollout step `step` (seeded by the run's seed and the step, so
+        """Queue the sampling of the kept batch of rollout step `step` (seeded by the run's seed and the step, so
         that a resumed run samples what the uninterrupted one did)."""
-        self.dynamic_sampler.params = dataclasses.replace(self.params, seed=sample_seed(self.cfg.parallel.seed, step))
         self.jobs.start("batch", lambda: self._collect(step))
 
     def start_eval(self) -> None:
-        """Start evaluating on the held-out prompts: take() then gives eval/avg@k and eval/pass@k ({} without)."""
+        """Queue an evaluation on the held-out prompts: take() then gives eval/avg@k and eval/pass@k ({} without)."""
         self.jobs.start("eval", self._evaluate)
 
-    def wait(self) -> str:
-        return self.jobs.wait()
+    def wait(self, timeout: float | None = None) -> str | None:
+        return self.jobs.wait(timeout)
 
     @property
     def restarted(self) -> str | None:
         return self.jobs.restarted
+
+    @property
+    def pending(self) -> list[str]:
+        return self.jobs.pending
 
     def resynced(self) -> None:
         self.jobs.resynced()
@@ -112,17 +117,25 @@ class RolloutService:
         return [v.correct for v in self.reward_pool.score(texts, [prompt.ground_truth] * len(texts))]
 
     def _collect(self, step: int) -> ReadyBatch:
-        start = time.perf_counter()
-        batch = self.dynamic_sampler.collect()
+        start, idle_s = time.perf_counter(), self.jobs.idle_s
+        sampler = self.dynamic_sampler
+        sampler.params = dataclasses.replace(self.params, seed=sample_seed(self.cfg.parallel.seed, step))
+        if self.cfg.rollout.mode == "async":  # trained at `step` by weights of version `step`
+            sampler.min_version = step - self.cfg.rollout.max_staleness
+        batch = sampler.collect()
         items = batch.train_items()
-        versions = [s.weight_version for g in batch.groups for s in g.samples]
         metrics = {**batch.metrics.as_dict(), "prompts_too_long": self.prompts.too_long,
                    "batch_tokens": float(sum(len(it.prompt_ids) + len(it.output_ids) for it in items)),
-                   "time/sampling": time.perf_counter() - start}
-        # The oldest weight version (rollout steps the weights had seen) that sampled the batch. Servers name the
-        # weights they started with in their own way: those are the run's initial weights, version 0.
+                   "time/sampling": time.perf_counter() - start, "time/rollout_idle": idle_s}
+        # The weights that started each response, and how many versions older they are than those the batch
+        # trains (version `step`).
+        versions = [version_number(s.weight_version) for g in batch.groups for s in g.samples]
+        staleness = [step - v for v in versions]
         if versions:
-            metrics["weight_version"] = float(min(int(v) if v.isdigit() else 0 for v in versions))
+            metrics.update(weight_version=float(min(versions)), staleness=float(max(staleness)),
+                           **{"staleness/mean": sum(staleness) / len(staleness)})
+            metrics.update({f"staleness/frac_{k}": c / len(staleness)
+                            for k, c in sorted(collections.Counter(staleness).items())})
         return ReadyBatch(step, items, metrics, sorted(g.prompt.index for g in batch.groups))
 
     def _evaluate(self) -> dict[str, float]:
@@ -140,53 +153,70 @@ class RolloutService:
 
     def state_dict(self) -> dict:
         """The data position; only between jobs (a running job has drawn prompts it has not settled)."""
-        if self.jobs.job is not None:
-            raise RuntimeError(f"RolloutService.state_dict: a {self.jobs.job} job is running or its result not taken")
+        if self.jobs.pending:
+            raise RuntimeError(f"RolloutService.state_dict: jobs {self.jobs.pending} are running or their results "
+                               "not taken")
         return self.sampler.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
         self.sampler.load_state_dict(state)
 
     def close(self) -> None:
+        self.jobs.close()
         if hasattr(self.engine, "close"):  # servers this run started
             self.engine.close()
         self.reward_pool.close()
 
 
 class JobRunner:
-    """One job at a time, on a thread of its own (`threaded`) or inline; the main thread waits for it in `wait`,
-    and syncs the weights for a server that restarted during it."""
+    """Jobs run one after another in the order started, on a thread of their own (`threaded`) or inline as
+    they start; the main thread waits for the oldest in `wait` (and syncs the weights for a server that
+    restarted meanwhile), then takes its result."""
 
     def __init__(self, threaded: bool):
         self.threaded = threaded
-        self.job: str | None = None  # the running job's name, until its result is taken
-        self._result = None
-        self._error: BaseException | None = None
-        self._done = threading.Event()
+        self._jobs: collections.deque[_Job] = collections.deque()  # started, results not taken; oldest first
+        self._queue: queue.SimpleQueue[_Job] = queue.SimpleQueue()  # for the worker thread
+        self._worker: threading.Thread | None = None
+        self._running: _Job | None = None
+        self._finished_at: float | None = None  # when the worker last ran out of jobs
         self._restarts: queue.SimpleQueue[tuple[str, threading.Event]] = queue.SimpleQueue()
         self._resyncing: threading.Event | None = None
         self.restarted: str | None = None  # the server waiting for the weights, after wait() said RESYNC
+        self.idle_s = 0.0  # seconds the worker had no job before the running one started
+        self._closed = False
 
-    def start(self, job: str, run: Callable[[], object]) -> None:
-        if self.job is not None:
-            raise RuntimeError(f"cannot start a {job} job while a {self.job} job's result is not taken")
-        self.job = job
-        self._done.clear()
-        if self.threaded:
-            threading.Thread(target=self._run, args=(run,), name=f"rollout-{job}", daemon=True).start()
-        else:
-            self._run(run)
+    @property
+    def pending(self) -> list[str]:
+        """The names of the jobs started and not taken, oldest first."""
+        return [job.name for job in self._jobs]
 
-    def wait(self) -> str:
+    def start(self, name: str, run: Callable[[], object]) -> None:
+        job = _Job(name, run)
+        self._jobs.append(job)
+        if not self.threaded:
+            self._run(job)
+            return
+        if self._worker is None:
+            self._worker = threading.Thread(target=self._work, name="rollout-jobs", daemon=True)
+            self._worker.start()
+        self._queue.put(job)
+
+    def wait(self, timeout: float | None = None) -> str | None:
         """Main thread: RESYNC when a restarted server waits for the weights (sync them, then `resynced()`);
-        READY once the job is done (take() gives its result), or at once when there is none."""
-        while self.job is not None:
+        READY once the oldest job is done (take() gives its result), or at once when there is none; None
+        when `timeout` seconds passed first."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self._jobs:
             try:
-                self.restarted, self._resyncing = self._restarts.get(timeout=0.05)
+                self.restarted, self._resyncing = self._restarts.get(
+                    timeout=0.05 if deadline is None else max(0.0, min(0.05, deadline - time.monotonic())))
                 return RESYNC
             except queue.Empty:
-                if self._done.is_set():  # a job waiting for a resync cannot be done
+                if self._jobs[0].done.is_set():
                     break
+                if deadline is not None and time.monotonic() >= deadline:
+                    return None
         return READY
 
     def resynced(self) -> None:
@@ -195,29 +225,62 @@ class JobRunner:
         self._resyncing = self.restarted = None
 
     def take(self):
-        """The finished job's result; its error, raised, if it failed."""
-        if self.job is None or not self._done.is_set():
+        """The oldest job's result; its error, raised, if it failed."""
+        if not self._jobs or not self._jobs[0].done.is_set():
             raise RuntimeError("no finished job to take: start one and wait() for READY first")
-        result, error = self._result, self._error
-        self.job = self._result = self._error = None
-        if error is not None:
-            raise error
-        return result
+        job = self._jobs.popleft()
+        if job.error is not None:
+            raise job.error
+        return job.result
 
     def server_restarted(self, url: str) -> None:
         """An engine thread of the running job: the server at `url` came back without the trainer's weights;
         block until the main thread has put them there (wait() -> RESYNC -> resynced())."""
-        if not self.threaded or self.job is None or self._done.is_set():
+        if not self.threaded or self._running is None:
             raise RuntimeError("an SGLang server restarted outside a rollout or an evaluation, where no rank "
                                "waits to sync its weights; restart the run (it resumes from its last checkpoint)")
         done = threading.Event()
         self._restarts.put((url, done))
         done.wait()
+        if self._closed:
+            raise RuntimeError(f"the rollout service closed while the restarted server {url} waited for the weights")
 
-    def _run(self, run: Callable[[], object]) -> None:
+    def close(self) -> None:
+        """Release the jobs blocked on a resync that will not come (the driver stops): they fail."""
+        self._closed = True
+        while True:
+            try:
+                self._restarts.get_nowait()[1].set()
+            except queue.Empty:
+                break
+        if self._resyncing is not None:
+            self._resyncing.set()
+
+    def _work(self) -> None:
+        while True:
+            job = self._queue.get()
+            self._run(job)
+            if self._queue.empty():
+                self._finished_at = time.perf_counter()
+
+    def _run(self, job: _Job) -> None:
+        now = time.perf_counter()
+        self.idle_s = 0.0 if self._finished_at is None else now - self._finished_at
+        self._finished_at = None
+        self._running = job
         try:
-            self._result = run()
+            job.result = job.run()
         except BaseException as e:  # noqa: BLE001 -- raised by take() on the main thread
-            self._error = e
+            job.error = e
         finally:
-            self._done.set()
+            self._running = None
+            job.done.set()
+
+
+@dataclass
+class _Job:
+    name: str
+    run: Callable[[], object]
+    result: object = None
+    error: BaseException | None = None
+    done: threading.Event = dataclasses.field(default_factory=threading.Event)

@@ -3,14 +3,16 @@ it starts), the tokenizer, the reward pool and dynamic sampling live there, so t
 (HTTP, JSON, detokenising, reward dispatch) competes with the training rank for its interpreter.
 
 `RolloutServiceProcess` is what the driver holds: the service's interface (rollout_service.py), each call a
-message over a pipe. The process runs one command at a time; while a job runs it forwards a restarted
-server's need for the weights (RESYNC) and waits for the driver's `resynced`, then sends the result. Batches
-travel packed (ReadyBatch.state_dict). Its log is `<train.output_dir>/rollout.log`. If the process dies,
-the driver's next call raises, naming it; if the driver dies, the process stops its servers and exits.
+message over a pipe. The process queues the jobs it is sent and answers the other commands while they run; it
+forwards a restarted server's need for the weights (RESYNC), and each job's result as it is done, in the order
+queued. Batches travel packed (ReadyBatch.state_dict). Its log is `<train.output_dir>/rollout.log`. If the
+process dies, the driver's next call raises, naming it; if the driver dies, the process stops its servers and
+exits.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import multiprocessing
 import traceback
@@ -40,8 +42,8 @@ class RolloutServiceProcess:
         # A driver that exits without close() (an error while it sets up) hangs up: the service then stops its
         # servers and exits, before multiprocessing's exit handler waits for it.
         weakref.finalize(self, self._conn.close)
-        self._job: str | None = None
-        self._result: tuple | None = None
+        self._jobs: collections.deque[str] = collections.deque()  # queued, results not taken; oldest first
+        self._results: collections.deque[tuple] = collections.deque()  # of the oldest jobs, received
         self.restarted: str | None = None
         kind, value = self._recv()
         if kind != "up":
@@ -70,19 +72,21 @@ class RolloutServiceProcess:
         self._start("eval")
 
     def _start(self, job: str, *args) -> None:
-        if self._job is not None:
-            raise RuntimeError(f"cannot start a {job} job while a {self._job} job's result is not taken")
-        self._job, self._result = job, None
+        self._jobs.append(job)
         self._call(job, *args)
 
+    @property
+    def pending(self) -> list[str]:
+        return list(self._jobs)
+
     def wait(self) -> str:
-        if self._job is None or self._result is not None:
+        if self._results or not self._jobs:  # the oldest is done, or there is none
             return READY
         message = self._recv()
         if message[0] == RESYNC:
             self.restarted = message[1]
             return RESYNC
-        self._result = message
+        self._results.append(message)
         return READY
 
     def resynced(self) -> None:
@@ -90,17 +94,19 @@ class RolloutServiceProcess:
         self._call("resynced")
 
     def take(self):
-        if self._job is None or self._result is None:
+        if not self._results:
             raise RuntimeError("no finished job to take: start one and wait() for READY first")
-        (_, value, error), job = self._result, self._job
-        self._job = self._result = None
+        (_, value, error), job = self._results.popleft(), self._jobs.popleft()
         if error is not None:
             raise RolloutServiceError(f"the rollout service's {job} job failed (its log: {self.log_path}):\n{error}")
         return ReadyBatch.from_state_dict(value) if job == "batch" else value
 
     def state_dict(self) -> dict:
         self._call("state")
-        return self._recv()[1]
+        _, value, error = self._recv()
+        if error is not None:
+            raise RolloutServiceError(f"the rollout service could not give its state: {error}")
+        return value
 
     def load_state_dict(self, state: dict) -> None:
         self._call("load_state", state)
@@ -140,29 +146,46 @@ def _serve(cfg: DapoConfig, dp_size: int, conn) -> None:
             engine.close()
         return
     try:
-        while True:
-            command, *args = conn.recv()
-            if command == "close":
-                break
-            if command == "state":
-                conn.send(("state", service.state_dict()))
-            elif command == "load_state":
-                service.load_state_dict(*args)
-            else:
-                _run_job(service, conn, command, args)
+        _answer(service, conn)
     except (EOFError, OSError):
         log.warning("the driver is gone: stopping the rollout service")
     finally:
         service.close()
 
 
-def _run_job(service, conn, job: str, args: list) -> None:
-    (service.start_batch if job == "batch" else service.start_eval)(*args)
-    while service.wait() == RESYNC:
-        conn.send((RESYNC, service.restarted))
-        if conn.recv() != ("resynced",):
-            raise RuntimeError("the driver answered a resync request with something else")
-        service.resynced()
+def _answer(service, conn) -> None:
+    """Run the driver's commands, the jobs queued on the service's thread, until told to close; send each
+    job's result as it is done, and a restarted server's need for the weights as it arises."""
+    while True:
+        if conn.poll(0.05 if service.pending else None):
+            command, *args = conn.recv()
+            if command == "close":
+                return
+            if command == "batch":
+                service.start_batch(*args)
+            elif command == "eval":
+                service.start_eval()
+            elif command == "resynced":
+                service.resynced()
+            elif command == "state":
+                try:
+                    conn.send(("state", service.state_dict(), None))
+                except RuntimeError as e:
+                    conn.send(("state", None, str(e)))
+            elif command == "load_state":
+                service.load_state_dict(*args)
+            else:
+                raise RuntimeError(f"the rollout service got an unknown command {command!r}")
+        if service.pending and service.restarted is None:
+            status = service.wait(timeout=0)
+            if status == RESYNC:
+                conn.send((RESYNC, service.restarted))
+            elif status == READY:
+                _send_result(service, conn)
+
+
+def _send_result(service, conn) -> None:
+    job = service.pending[0]
     try:
         result = service.take()
     except Exception:  # noqa: BLE001 -- the driver raises it

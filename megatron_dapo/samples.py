@@ -33,6 +33,12 @@ class Sample:
     version_spans: tuple[tuple[str, int, int], ...] = ()
 
 
+def version_number(version: str) -> int:
+    """A weight version as the number of rollout steps the weights had trained (the run tags each push with
+    it). Servers name the weights they start with in their own way: those are the run's initial weights, 0."""
+    return int(version) if version.isdigit() else 0
+
+
 @dataclass(frozen=True)
 class TrainItem:
     """One response of the kept batch."""

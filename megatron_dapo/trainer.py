@@ -1,16 +1,17 @@
 """The DAPO training loop (`megatron-dapo train`), run on every trainer rank (torchrun or srun).
 
-One step, as in the paper: the engine samples a group of G responses per prompt; math-verify judges
-each; rewards (+1 / -1 and the soft overlong penalty) are normalised inside the group into
-advantages; groups that are all right or all wrong are dropped and sampling goes on until the batch
-is full (dynamic sampling); the policy recomputes the old log-probs; the batch is cut into
-mini-batches, each one optimizer step of the fused clipped token-level loss; the new weights go to
-the inference engine. Global rank 0 (the driver) asks the rollout service (rollout_service.py, in a
-process of its own over SGLang) for each batch and hands each rank its data-parallel share of it; the other ranks wait for it outside any
-collective (a paper-scale rollout outlasts any collective's watchdog); everything after that is
-collective. With rollout.mode one_step_off the service samples the next step's batch while this one
-trains, and the weights reach the servers once both are done. Colocated servers (rollout.colocate)
-release their memory once the rollout is done and take it back around the weight sync.
+One step, as in the paper: the engine samples a group of G responses per prompt; math-verify judges each;
+rewards (+1 / -1 and the soft overlong penalty) are normalised inside the group into advantages; groups that
+are all right or all wrong are dropped and sampling goes on until the batch is full (dynamic sampling); the
+policy recomputes the old log-probs; the batch is cut into mini-batches, each one optimizer step of the fused
+clipped token-level loss; the new weights go to the inference engine. Global rank 0 (the driver) asks the
+rollout service (rollout_service.py, in a process of its own over SGLang) for each batch and hands each rank
+its data-parallel share of it; the other ranks wait for it outside any collective (a paper-scale rollout
+outlasts any collective's watchdog); everything after that is collective. With rollout.mode one_step_off the
+service samples the next step's batch while this one trains, and the weights reach the servers once both are
+done; with async it samples the next rollout.max_staleness steps' batches back to back, and the weights are
+pushed into the servers while they sample. Colocated servers (rollout.colocate) release their memory once the
+rollout is done and take it back around the weight sync.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import itertools
 import logging
 import math
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
 
@@ -90,8 +91,9 @@ class DapoTrainer:
         self.warned_fewer_updates = False
         self.bad_steps = 0  # rollout steps in a row with a skipped update
         self.batch_prompts: list[int] = []  # the driver's: dataset rows of the batch being trained on
-        self.overlapped = cfg.rollout.mode == "one_step_off"
-        self.next_batch: ReadyBatch | None = None  # the driver's: sampled, not yet trained on (one_step_off)
+        # The driver's: batches sampled ahead of their step (the overlapping modes), taken from the service and
+        # not yet trained on, oldest first.
+        self.ready: list[ReadyBatch] = []
         self.service = self._rollout_service() if self.driver else None
         resume = latest_checkpoint(self.checkpoint_root) if cfg.train.resume else None
         if resume is not None:
@@ -99,8 +101,7 @@ class DapoTrainer:
             self.step_index = extra["step"]
             if self.driver:
                 self.service.load_state_dict(extra["sampler"])
-                pending = read_driver_state(resume, "rollout_buffer")
-                self.next_batch = ReadyBatch.from_state_dict(pending) if pending is not None else None
+                self.ready = [ReadyBatch.from_state_dict(b) for b in read_driver_state(resume, "rollout_buffer") or []]
                 log.info("resumed from %s (step %d)", resume, self.step_index)
         if self.driver:
             self.metrics = MetricsLogger(self.output_dir, tensorboard=cfg.train.tensorboard,
@@ -188,18 +189,22 @@ class DapoTrainer:
 
     # -- the rollout ---------------------------------------------------------------------------------
 
-    def _await_service(self, word: str) -> None:
-        """Every rank: until the driver's rollout service has done its job (then the driver says `word`);
-        a server restarted meanwhile gets the weights: from every rank, or with the disk route from the
-        folder the others serve."""
-        if self.driver:
+    def _await_service(self, word: str, jobs: int = 1) -> list:
+        """Every rank: until the driver's rollout service has done its `jobs` oldest jobs (then the driver says
+        `word` and has their results; [] elsewhere); a server restarted meanwhile gets the weights: from every
+        rank, or with the disk route from the folder the others serve."""
+        if not self.driver:
+            while self.signal.wait() == RESYNC:
+                self.sync_weights(live=True)
+            return []
+        results = []
+        for _ in range(jobs):
             while self.service.wait() == RESYNC:
                 self._resync(self.service.restarted)
                 self.service.resynced()
-            self.signal.post(word)
-            return
-        while self.signal.wait() == RESYNC:
-            self.sync_weights()
+            results.append(self.service.take())
+        self.signal.post(word)
+        return results
 
     def _resync(self, url: str) -> None:
         """Driver: the weights onto the restarted server at `url`."""
@@ -208,7 +213,7 @@ class DapoTrainer:
 
         if not isinstance(self.syncer, DiskSyncer):
             self.signal.post(RESYNC)
-            self.sync_weights()
+            self.sync_weights(live=True)
         elif self.syncer.loaded is not None:
             call_all([url], "/update_weights_from_disk", {"model_path": str(self.syncer.loaded),
                                                          "weight_version": str(self.step_index)},
@@ -216,17 +221,33 @@ class DapoTrainer:
 
     def _share(self) -> tuple[PackedShare, dict[str, float]]:
         """Every rank: its data-parallel share of this step's kept batch (share_scatter.py), and the driver
-        the batch's sampling metrics ({} elsewhere). Sampled now, unless sampled during the step before."""
-        if self.driver and self.next_batch is None:
+        the batch's sampling metrics ({} elsewhere). Sampled now, unless sampled ahead."""
+        if self.driver and not self.ready and not self.service.pending:
             self.service.start_batch(self.step_index)
-        self._await_service("batch")
+        self.ready += self._await_service("batch", jobs=0 if self.ready else 1)
         if not self.driver:
             return self.scatter.receive(), {}
-        batch = self.next_batch if self.next_batch is not None else self.service.take()
-        self.next_batch = None
+        batch = self.ready.pop(0)
+        if batch.step != self.step_index:
+            raise RuntimeError(f"the rollout service handed the batch of step {batch.step + 1} to step "
+                               f"{self.step_index + 1}")
         self.batch_prompts = batch.prompts
         shares = deal_by_tokens(batch.items, self.dp_size, self.cfg.train.updates_per_step)
-        return self.scatter.send([PackedShare.pack(share) for share in shares]), dict(batch.metrics)
+        metrics = {**batch.metrics, "rollout_buffer": float(len(self.ready) + len(self.service.pending))}
+        return self.scatter.send([PackedShare.pack(share) for share in shares]), metrics
+
+    def _sample_ahead(self) -> None:
+        """Driver, once this step's batch is taken: queue the batches of the steps ahead that the weights of
+        this step may start (one_step_off: the next; async: rollout.max_staleness ahead)."""
+        r = self.cfg.rollout
+        ahead = {"sync": 0, "one_step_off": 1, "async": r.max_staleness}[r.mode]
+        queued = self.step_index + 1 + len(self.ready) + len(self.service.pending)
+        for step in range(queued, min(self.step_index + ahead, self.cfg.train.steps - 1) + 1):
+            self.service.start_batch(step)
+
+    def _drain(self, word: str) -> None:
+        """Every rank: until the service has sampled every batch queued (the driver keeps them)."""
+        self.ready += self._await_service(word, jobs=len(self.service.pending) if self.driver else 0)
 
     # -- the step ------------------------------------------------------------------------------------
 
@@ -236,9 +257,8 @@ class DapoTrainer:
         start = time.perf_counter()
         with timer("rollout"):
             share, metrics = self._share()
-        sampling_next = self.overlapped and self.step_index + 1 < self.cfg.train.steps
-        if sampling_next and self.driver:  # sampled by the weights this step trains: one version stale
-            self.service.start_batch(self.step_index + 1)
+        if self.driver:
+            self._sample_ahead()
         if self.server_memory is not None:  # colocated: the servers' memory is the trainer's until the sync
             with timer("release"):
                 self.server_memory.release()
@@ -261,21 +281,18 @@ class DapoTrainer:
             with timer("resume"):
                 self.server_memory.resume_weights()
         self.step_index += 1  # the new weights are this step's: the servers get them under its number
-        if sampling_next:
+        live = self.cfg.rollout.mode == "async"  # pushed while the servers sample
+        if self.cfg.rollout.mode == "one_step_off" and self.step_index < self.cfg.train.steps:
             with timer("rollout_wait"):  # the servers finish the next batch before they take the new weights
-                self._await_service("sampled")
-            if self.driver:
-                self.next_batch = self.service.take()
+                self._drain("sampled")
         # Colocated servers released their weights for the trainer: they get them back even when nothing changed.
         if applied or self.server_memory is not None:
             with timer("sync"):
-                self.sync_weights()
+                self.sync_weights(live=live)
         if self.server_memory is not None:
             with timer("resume"):
                 self.server_memory.resume_caches()
         step_s = time.perf_counter() - start
-        if "weight_version" in metrics:  # versions between the weights that trained and those that sampled
-            metrics["staleness"] = self.step_index - 1 - metrics["weight_version"]
         metrics.update(train_metrics, tokens_per_s=metrics.get("batch_tokens", 0.0) / step_s, **{"time/step": step_s},
                        **{f"time/{k}": v for k, v in timer.seconds.items()})
         return metrics
@@ -340,13 +357,21 @@ class DapoTrainer:
             out.update({"tis/weight_mean": m["tis_weight_sum"] / tokens, "tis/capped_frac": m["tis_capped"] / tokens})
         return out
 
-    def sync_weights(self) -> None:
+    def sync_weights(self, live: bool = False) -> None:
+        """Every rank: the policy's weights onto the servers, under the version `step_index`; `live`: into
+        servers that may be sampling (their generation paused meanwhile, server_calls.generation_paused)."""
         version = str(self.step_index)
         if self.syncer is None:
             if self.driver:
                 self.service.engine.weight_version = version
             return
-        result = self.syncer.sync(self.policy.module, version)
+        from megatron_dapo.weight_sync.server_calls import generation_paused
+
+        paused = (generation_paused(self.server_urls, self.cfg.rollout.weight_sync_timeout_s) if live and self.driver
+                  else nullcontext(self.server_urls))
+        with paused as up:
+            # A server down now is left out: the service restarts it, and the driver then resyncs it (RESYNC).
+            result = self.syncer.sync(self.policy.module, version, skip=[u for u in self.server_urls if u not in up])
         if result is not None:
             log.info("weight sync %s: %.3f GB in %.2f s (%.2f GB/s)", version, result.bytes / 1e9, result.seconds,
                      result.gbps)
@@ -356,20 +381,25 @@ class DapoTrainer:
     def evaluate(self) -> dict[str, float]:
         """Every rank: avg@k and pass@k on the held-out prompts at the eval section's sampling settings, computed
         by the driver's rollout service while the other ranks wait for it outside collectives; {} on those."""
-        if self.driver:
+        if self.driver:  # queued behind the batches sampled ahead, which the driver keeps
             self.service.start_eval()
-        self._await_service("evaluated")
-        return self.service.take() if self.driver else {}
+        results = self._await_service("evaluated", jobs=len(self.service.pending) if self.driver else 0)
+        if not self.driver:
+            return {}
+        self.ready += results[:-1]
+        return results[-1]
 
     def save_checkpoint(self) -> None:
+        # The data position is the service's between jobs: the batches sampled ahead are taken first, and kept
+        # in the checkpoint, so that the resumed run trains on them and draws no prompt twice.
+        self._drain("drained")
         extra = {"step": self.step_index, "sampler": self.service.state_dict() if self.driver else None,
                  "config": self.cfg.to_dict()}
         box = [extra]
         dist.broadcast_object_list(box, src=0)  # the driver's data position goes in
-        # one_step_off: the batch sampled for the next step, so that the resumed run trains on it too
-        pending = {"rollout_buffer": self.next_batch.state_dict()} if self.next_batch is not None else None
+        buffer = {"rollout_buffer": [b.state_dict() for b in self.ready]} if self.ready else None
         save_trainer_checkpoint(self.checkpoint_root, self.step_index, self.policy, box[0],
-                                keep_last=self.cfg.train.keep_last, driver_state=pending)
+                                keep_last=self.cfg.train.keep_last, driver_state=buffer)
 
     def train(self) -> dict[str, float]:
         """Run until train.steps; returns the last step's metrics (on the driver)."""

@@ -6,6 +6,7 @@ completes when its longest response does: short groups first, ties in reverse pr
 engine returns them in any order. The kept batch must not depend on that order.
 """
 
+import dataclasses
 import logging
 import math
 import statistics
@@ -13,8 +14,15 @@ import statistics
 import pytest
 import torch
 
-from megatron_dapo.algorithm import (AlgorithmConfig, DynamicSampler, PromptItem, group_advantages,
-                                     overlong_loss_mask, overlong_penalty, sample_rewards)
+from megatron_dapo.algorithm import (
+    AlgorithmConfig,
+    DynamicSampler,
+    PromptItem,
+    group_advantages,
+    overlong_loss_mask,
+    overlong_penalty,
+    sample_rewards,
+)
 from megatron_dapo.config import ConfigError
 from megatron_dapo.ops import dapo_loss
 from megatron_dapo.rollout.engine import Sample, SamplingParams
@@ -289,6 +297,29 @@ def test_abort_once_the_batch_is_full():
     assert stream.handed_out == [1, 0] and stream.aborted == [] and stream.pending_at_abort == 1
     assert (batch.metrics.groups_generated, batch.metrics.groups_aborted, batch.metrics.samples_generated) == (2, 1, 8)
     assert batch.metrics.samples_per_kept_sample == 2.0
+
+
+def test_groups_started_by_weights_older_than_the_bound_are_dropped_and_counted():
+    """rollout.mode async: a mixed group with a response started by weights older than min_version is dropped
+    like an unmixed one (counted as stale), and the batch fills with the next mixed groups in draw order."""
+    versions = ["default", "1", "4", "2", "2", "3"]  # of each prompt's responses; a server's own name is 0
+
+    class Versioned(ScriptedEngine):
+        def stream(self, prompts, n, params):
+            stream = super().stream(prompts, n, params)
+            stream.pending = [[dataclasses.replace(s, weight_version=versions[s.prompt_index]) for s in g]
+                              for g in stream.pending]
+            return stream
+
+    sampler, _, prompts = make_sampler(["LLWW", "CCWW", "CCWW", "LWWW", "CCWW", "CCWW"], batch_size=2,
+                                       oversample_factor=3.0, engine=Versioned())
+    sampler.min_version = 2
+    batch = sampler.collect()
+    assert [g.prompt.index for g in batch.groups] == [2, 3]
+    m = batch.metrics
+    assert (m.groups_stale, m.groups_kept, m.groups_settled, m.prompts_drawn) == (2, 2, 4, 6)
+    sampler.min_version = None  # the other modes
+    assert [g.prompt.index for g in sampler.collect().groups] == [6, 7]
 
 
 def test_a_batch_filled_in_round_two_continues_the_draw_order():

@@ -1,5 +1,6 @@
-"""The rollout service's job runner: a job runs beside the main thread, and a server that restarts during it
-gets its weights from the main thread (where every collective runs), never from the engine's threads."""
+"""The rollout service's job runner: jobs run beside the main thread one after another, in order, and a server
+that restarts during one gets its weights from the main thread (where every collective runs), never from the
+engine's threads."""
 
 import threading
 
@@ -27,25 +28,33 @@ def test_a_restart_during_a_job_waits_for_the_main_threads_resync():
     assert jobs.wait() == READY  # no job: nothing to wait for
 
 
-def test_one_job_at_a_time_and_errors_reach_the_main_thread():
+def test_jobs_run_one_after_another_in_order_and_errors_reach_the_main_thread():
     jobs = JobRunner(threaded=True)
     release = threading.Event()
-    jobs.start("batch", lambda: release.wait())
-    with pytest.raises(RuntimeError, match="cannot start a eval job while a batch job's result is not taken"):
-        jobs.start("eval", dict)
+    ran = []
+    jobs.start("batch", lambda: ran.append(1) or release.wait())
+    jobs.start("batch", lambda: ran.append(2) or 2)  # queued: the next step's batch
+    jobs.start("eval", lambda: ran.append(3) or {"eval/avg@4": 0.5})
+    assert jobs.pending == ["batch", "batch", "eval"]
     with pytest.raises(RuntimeError, match="no finished job to take"):
         jobs.take()
+    assert jobs.wait(timeout=0.2) is None and ran == [1]  # the second waits for the first
     release.set()
     assert jobs.wait() == READY and jobs.take() is True
+    assert jobs.wait() == READY and jobs.take() == 2
+    assert jobs.wait() == READY and jobs.take() == {"eval/avg@4": 0.5}
+    assert ran == [1, 2, 3] and jobs.pending == []
 
     def fail():
         raise ValueError("the server refused the group")
 
     jobs.start("batch", fail)
+    jobs.start("batch", lambda: "next")
     assert jobs.wait() == READY
     with pytest.raises(ValueError, match="refused"):
         jobs.take()
-    assert jobs.job is None  # the failed job is gone: the next one may start
+    assert jobs.wait() == READY and jobs.take() == "next"  # a failed job does not stop the queue
+    assert jobs.idle_s >= 0
 
 
 def test_a_restart_where_no_rank_waits_is_an_error_not_a_hang():
@@ -93,6 +102,12 @@ def test_the_service_process_reports_its_servers_and_its_data_position(service_c
         state = service.state_dict()
         service.load_state_dict(state)
         assert service.state_dict() == state
+        service.start_eval()  # no held-out prompts: {} without a group sent
+        service.start_eval()
+        assert service.pending == ["eval", "eval"]
+        for _ in range(2):
+            assert service.wait() == READY and service.take() == {}
+        assert service.pending == []
     finally:
         service.close()
     assert service._proc.exitcode == 0
@@ -122,3 +137,15 @@ def test_the_service_process_stops_when_the_driver_is_gone(service_config):
     service._conn.close()  # as when the driver dies
     service._proc.join(60)
     assert service._proc.exitcode == 0
+
+
+def test_closing_releases_a_job_that_waits_for_a_resync_that_will_not_come():
+    """The driver stops (an error elsewhere): a job blocked on a restarted server's resync fails at once instead
+    of holding the service's shutdown."""
+    jobs = JobRunner(threaded=True)
+    jobs.start("batch", lambda: jobs.server_restarted("http://s1"))
+    assert jobs.wait() == RESYNC
+    jobs.close()
+    assert jobs.wait() == READY
+    with pytest.raises(RuntimeError, match="closed while the restarted server http://s1 waited for the weights"):
+        jobs.take()

@@ -54,7 +54,8 @@ def test_overrides_are_read_as_yaml():
     ("rollout.temperature=0", "rollout.temperature"),
     ("rollout.top_p=2", "rollout.top_p"),
     ("rollout.weight_sync=nfs", "rollout.weight_sync"),
-    ("rollout.mode=async", "rollout.mode: must be one of 'sync', 'one_step_off'"),
+    ("rollout.mode=fully_async", "rollout.mode: must be one of 'sync', 'one_step_off', 'async'"),
+    ("rollout.max_staleness=0", "rollout.max_staleness: must be a whole number >= 1"),
     ("loss.tis_mode=clip", "loss.tis_mode: must be one of 'truncate', 'mask'"),
     ("rollout.server_urls=http://a", "rollout.server_urls: must be a list"),
     ("reward.timeout_s=0", "reward.timeout_s"),
@@ -98,6 +99,11 @@ def test_bad_values_name_their_key(override, key):
     (["rollout.mode=one_step_off", "loss.tis_cap=2", "rollout.colocate=true", "rollout.weight_sync=disk"],
      "rollout.mode: 'one_step_off' .* rollout.colocate .* set rollout.colocate to false"),
     (["rollout.mode=one_step_off"], "loss.tis_cap: must be set with rollout.mode 'one_step_off'"),
+    (["rollout.mode=async", "loss.tis_cap=2", "rollout.colocate=true", "rollout.weight_sync=disk"],
+     "rollout.mode: 'async' .* rollout.colocate"),
+    (["rollout.mode=async"], "loss.tis_cap: must be set with rollout.mode 'async'"),
+    (["rollout.mode=one_step_off", "loss.tis_cap=2", "rollout.max_staleness=2"],
+     "rollout.max_staleness: bounds rollout.mode 'async' only .* set rollout.mode to 'async'"),
 ])
 def test_bad_combinations_name_a_key(overrides, key):
     with pytest.raises(ConfigError, match=key):

@@ -141,7 +141,8 @@ def assert_no_process_left(*texts: str) -> None:
 
 @pytest.mark.slow
 def test_train_then_sglang_step_killed_then_resume(cluster, task, tmp_path):  # noqa: F811
-    """Disaggregated, in rollout.mode one_step_off: the server samples the next batch while the trainer trains."""
+    """Disaggregated, in rollout.mode one_step_off (then async): the server samples the next batch while the
+    trainer trains."""
     out = tmp_path / "run"
     out.mkdir()
     mode = ("rollout.mode=one_step_off", "loss.tis_cap=2.0")
@@ -170,12 +171,14 @@ def test_train_then_sglang_step_killed_then_resume(cluster, task, tmp_path):  # 
     assert "launch: FAILED: step 'sglang-0' on n2 exited with code" in text
     assert_no_process_left(str(tmp_path), str(task))
 
-    # the same job script again: it resumes from step 2's checkpoint and runs step 3 only
-    job = submit(cluster, out, task, "train.steps=3", *mode)
+    # the same job script again, in rollout.mode async: it resumes from step 2's checkpoint and runs steps 3
+    # and 4, step 4's batch sampled during step 3 and step 3's weights pushed into the server as it sampled
+    job = submit(cluster, out, task, "train.steps=4", "rollout.mode=async", "loss.tis_cap=2.0")
     state, code = wait_job(cluster, job, out)
     assert (state, code) == ("COMPLETED", "0:0"), job_output(out, job)
-    assert [r["step"] for r in metrics(out)] == [1, 2, 3]
-    assert (out / "checkpoints" / "step_000003" / "COMPLETE").is_file()
+    assert [r["step"] for r in metrics(out)] == [1, 2, 3, 4]
+    assert [r["staleness"] for r in metrics(out)][2:] == [0, 1]
+    assert (out / "checkpoints" / "step_000004" / "COMPLETE").is_file()
     assert "resumed from" in job_output(out, job)
     assert_no_process_left(str(tmp_path), str(task))
 

@@ -4,6 +4,7 @@ a resume (the resumed step's metrics equal those of an uninterrupted run)."""
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -115,6 +116,19 @@ def kill_tree(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
+def kill_after_checkpoint(cfg: Path, out: Path, step: int, nproc: int) -> Path:
+    """Launch the run and SIGKILL it, all of it, once the checkpoint of `step` is complete; returns that
+    checkpoint's folder."""
+    proc = launch(cfg, nproc)
+    marker = out / "checkpoints" / f"step_{step:06d}" / "COMPLETE"
+    deadline = time.monotonic() + 900
+    while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert marker.exists(), cfg.with_suffix(".log").read_text()[-8000:]
+    kill_tree(proc)  # mid-run: the next step has started or is about to
+    return marker.parent
+
+
 def test_sglang_tp2_killed_and_resumed_matches_an_uninterrupted_run(task, tmp_path):
     sglang = {"engine": "sglang", "server_device": "cpu", "weight_sync": "disk", "server_startup_timeout_s": 900,
               "deterministic": True}
@@ -127,13 +141,7 @@ def test_sglang_tp2_killed_and_resumed_matches_an_uninterrupted_run(task, tmp_pa
     out = tmp_path / "resumed"
     cfg = config(task, out, **sections, train={"steps": 4, "checkpoint_every": 3},
                   eval={"every": 0})
-    proc = launch(cfg, 2)
-    marker = out / "checkpoints" / "step_000003" / "COMPLETE"
-    deadline = time.monotonic() + 900
-    while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert marker.exists(), cfg.with_suffix(".log").read_text()[-8000:]
-    kill_tree(proc)  # mid-run: step 4 has started or is about to
+    kill_after_checkpoint(cfg, out, 3, 2)  # step 4 has started or is about to
     finish(launch(cfg, 2), cfg)  # resumes from step 3
 
     want, got = metrics(full_out), metrics(out)
@@ -146,10 +154,9 @@ def test_sglang_tp2_killed_and_resumed_matches_an_uninterrupted_run(task, tmp_pa
 def test_fewer_updates_than_updates_per_step_are_said_once_with_the_numbers(caplog):
     from types import SimpleNamespace
 
-    from megatron_dapo.trainer import DapoTrainer
-
     from megatron_dapo.rank_shares import PackedShare, deal_by_tokens
     from megatron_dapo.samples import TrainItem
+    from megatron_dapo.trainer import DapoTrainer
 
     def cut(n):  # a one-rank share of n responses, cut as the trainer cuts it
         share = PackedShare.pack(deal_by_tokens([TrainItem([1], [2], [-0.5], 1.0, True)] * n, 1, 4)[0])
@@ -205,6 +212,7 @@ def test_sglang_one_step_off_samples_beside_training_and_resumes_with_its_buffer
     want = metrics(full_out)
     assert [r["weight_version"] for r in want] == [0, 0, 1, 2]  # the first batch waits for the initial weights
     assert [r["staleness"] for r in want] == [0, 1, 1, 1]
+    assert want[0]["tis/weight_mean"] == pytest.approx(1.0, abs=1e-3)  # sampled by the weights it trains
     for r in want:
         assert r["groups_kept"] >= 1 and r["loss_tokens"] > 0 and r["updates"] >= 1
         assert 0 < r["tis/weight_mean"] <= 2.0
@@ -212,14 +220,8 @@ def test_sglang_one_step_off_samples_beside_training_and_resumes_with_its_buffer
 
     out = tmp_path / "resumed"
     cfg = config(task, out, **sections)
-    proc = launch(cfg, 1)
-    marker = out / "checkpoints" / "step_000002" / "COMPLETE"
-    deadline = time.monotonic() + 900
-    while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert marker.exists(), cfg.with_suffix(".log").read_text()[-8000:]
-    kill_tree(proc)  # step 3 is training on the buffered batch, or about to
-    assert (marker.parent / "driver" / "rollout_buffer.pt").is_file()
+    checkpoint = kill_after_checkpoint(cfg, out, 2, 1)  # step 3 is training on the buffered batch, or about to
+    assert (checkpoint / "driver" / "rollout_buffer.pt").is_file()
     finish(launch(cfg, 1), cfg)  # resumes from step 2 with the batch sampled for step 3
 
     got = metrics(out)
@@ -227,3 +229,40 @@ def test_sglang_one_step_off_samples_beside_training_and_resumes_with_its_buffer
     for i in (2, 3):
         expected = {k: v for k, v in want[i].items() if not k.startswith(TIMING) and k != "time"}
         assert {k: got[i][k] for k in expected} == pytest.approx(expected, rel=1e-6, abs=1e-9), i + 1
+
+
+def test_sglang_async_stays_within_its_staleness_bound_and_a_kill_of_the_run_or_its_server_loses_no_prompt(
+        task, tmp_path):
+    """rollout.mode async with a real SGLang server: the service samples up to rollout.max_staleness steps ahead
+    and each step's weights are pushed into the server while it samples; no step trains on a response started
+    by weights more than max_staleness versions older than its own. The run is killed after a checkpoint and
+    resumed, then its server is SIGKILLed mid-rollout (the service restarts it, the driver resyncs it); counting,
+    every prompt drawn from the data went into exactly one step's sampling: none lost, none drawn twice."""
+    sglang = {"engine": "sglang", "server_device": "cpu", "weight_sync": "disk", "server_startup_timeout_s": 900,
+              "mode": "async", "max_staleness": 2}
+    out = tmp_path / "async"
+    cfg = config(task, out, rollout=sglang, loss={"tis_cap": 2.0}, train={"steps": 6, "checkpoint_every": 2},
+                 eval={"every": 3})
+    checkpoint = kill_after_checkpoint(cfg, out, 2, 1)
+    assert (checkpoint / "driver" / "rollout_buffer.pt").is_file()  # the batches sampled for steps 3 and 4
+    proc = launch(cfg, 1)
+    deadline = time.monotonic() + 900
+    while len(metrics(out)) < 3 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    (server,) = [p for p in psutil.Process(proc.pid).children(recursive=True)
+                 if "sglang.launch_server" in " ".join(p.cmdline())]
+    os.killpg(server.pid, signal.SIGKILL)  # the server and its scheduler: batches of steps 5 and 6 are sampling
+    finish(proc, cfg)
+
+    rows = metrics(out)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    for r in rows:
+        assert 0 <= r["staleness"] <= 2 and r["groups_stale"] == 0 and r["prompts_too_long"] == 0
+        assert r["groups_kept"] >= 1 and r["loss_tokens"] > 0 and 0 < r["tis/weight_mean"] <= 2.0
+    assert rows[0]["staleness"] == 0 and max(r["staleness"] for r in rows) >= 1  # later batches sampled ahead
+    # Step 1 trains on what its own weights sampled: behaviour = proximal, importance weights 1.
+    assert rows[0]["tis/weight_mean"] == pytest.approx(1.0, abs=1e-3) and rows[0]["tis/capped_frac"] == 0
+    assert "eval/avg@2" in rows[2] and "eval/avg@2" in rows[5]
+    assert "is gone: restarting it" in (out / "rollout.log").read_text()  # the killed server, restarted
+    state = json.loads((out / "checkpoints" / "step_000006" / "trainer_state.json").read_text())["extra"]["sampler"]
+    assert state["epoch"] == 0 and state["position"] == sum(r["prompts_drawn"] for r in rows)

@@ -1,15 +1,16 @@
 """DAPO's dynamic sampling: keep drawing prompts until the batch holds B groups of mixed correctness.
 
-A group whose G responses are all right or all wrong has zero advantages and teaches nothing, so it
-is dropped. Each round samples ceil(groups still needed x oversample_factor) prompts. The batch is
-exactly the one a full synchronous generation would give: the first B mixed groups in the order
-the prompts were drawn (rounds continue that order), never the first B to complete, which would
-favour prompts with short responses. Generation still streams: a completed group is taken (kept or
-dropped) once every group drawn before it has been, and the groups drawn after the B-th mixed one are
-aborted as soon as that is known. Counting only the mixed groups completed so far, the position of
-the (still needed)-th one is an upper bound on the true one, so everything drawn after it is
-aborted at once. After algorithm.max_sampling_rounds the step goes on with what was kept (and a
-warning), the batch trimmed from its end (in draw order) so that it divides across data-parallel ranks.
+A group whose G responses are all right or all wrong has zero advantages and teaches nothing, so it is
+dropped. Each round samples ceil(groups still needed x oversample_factor) prompts. The batch is exactly the
+one a full synchronous generation would give: the first B mixed groups in the order the prompts were drawn
+(rounds continue that order), never the first B to complete, which would favour prompts with short responses.
+Generation still streams: a completed group is taken (kept or dropped) once every group drawn before it has
+been, and the groups drawn after the B-th mixed one are aborted as soon as that is known. Counting only the
+mixed groups completed so far, the position of the (still needed)-th one is an upper bound on the true one, so
+everything drawn after it is aborted at once. A mixed group whose oldest token was sampled by weights older
+than `min_version` (set per batch by rollout.mode async) is dropped like an unmixed one. After
+algorithm.max_sampling_rounds the step goes on with what was kept (and a warning), the batch trimmed from its
+end (in draw order) so that it divides across data-parallel ranks.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from megatron_dapo.algorithm.config import AlgorithmConfig
 from megatron_dapo.algorithm.overlong import TRUNCATED, overlong_loss_mask
 from megatron_dapo.algorithm.rollout_batch import PromptItem, RolloutBatch, SamplingMetrics, ScoredGroup
 from megatron_dapo.rollout.engine import Engine, Sample, SamplingParams, sample_seed
+from megatron_dapo.samples import version_number
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +46,7 @@ class DynamicSampler:
         self.cfg = cfg
         self.params = params
         self.dp_size = dp_size
+        self.min_version: int | None = None  # groups started by older weights are stale
 
     def collect(self) -> RolloutBatch:
         """One training batch: the first B groups (in draw order) of G responses with 0 < #correct < G."""
@@ -52,7 +55,7 @@ class DynamicSampler:
         tally = _Tally()
         for round_ in range(1, cfg.max_sampling_rounds + 1):
             tally.rounds = round_
-            prompts = self._draw_prompts(math.ceil((cfg.batch_size - len(kept)) * cfg.oversample_factor))
+            prompts = self._draw_prompts(math.ceil((cfg.batch_size - len(kept)) * cfg.oversample_factor), tally)
             params = self.params
             if params.seed is not None:  # each round draws with its own seeds
                 params = dataclasses.replace(params, seed=sample_seed(params.seed, round_))
@@ -95,14 +98,16 @@ class DynamicSampler:
                 group = self._score(prompts[index], samples)
                 tally.generated(group)
                 completed[index] = group
-                if self._mixed(group):
+                if self._usable(group):
                     bisect.insort(mixed, index)
                 while settled in completed:  # take groups in draw order
                     group = completed.pop(settled)
                     tally.settle(group)
-                    if self._mixed(group):
+                    if self._usable(group):
                         kept.append(group)
                         mixed.pop(0)
+                    elif self._mixed(group):
+                        tally.stale += 1
                     settled += 1
                     if len(kept) == need:
                         break
@@ -129,10 +134,16 @@ class DynamicSampler:
         """0 < #correct < G: the group has contrast, its advantages are not all zero."""
         return 0 < group.num_correct < self.cfg.group_size
 
-    def _draw_prompts(self, k: int) -> list[PromptItem]:
+    def _usable(self, group: ScoredGroup) -> bool:
+        """Mixed, and no response started by weights older than min_version."""
+        return self._mixed(group) and (self.min_version is None or min(
+            version_number(s.weight_version) for s in group.samples) >= self.min_version)
+
+    def _draw_prompts(self, k: int, tally: _Tally) -> list[PromptItem]:
         prompts = list(self.next_prompts(k))
         if not prompts:
             raise RuntimeError(f"dynamic sampling: the prompt source returned no prompts (asked for {k})")
+        tally.drawn += len(prompts)
         return prompts
 
     def _check_group(self, prompts: list[PromptItem], samples: list[Sample]) -> int:
@@ -174,7 +185,7 @@ class _Tally:
     def __init__(self):
         self.rounds = 0
         self.round_cap_hit = False
-        self.generated_groups = self.generated_samples = self.aborted = 0
+        self.generated_groups = self.generated_samples = self.aborted = self.drawn = self.stale = 0
         self.groups = self.all_correct = self.all_wrong = 0
         self.samples = self.correct = self.truncated = self.len_sum = self.len_max = 0
         self.reward_sum = 0.0
@@ -211,6 +222,8 @@ class _Tally:
             groups_all_correct=self.all_correct,
             groups_all_wrong=self.all_wrong,
             groups_trimmed=trimmed,
+            groups_stale=self.stale,
+            prompts_drawn=self.drawn,
             samples_generated=self.generated_samples,
             samples_per_kept_sample=self.generated_samples / kept_samples if kept_samples else math.inf,
             accuracy=per_sample(self.correct),

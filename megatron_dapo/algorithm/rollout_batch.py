@@ -41,11 +41,13 @@ class SamplingMetrics:
     round_cap_hit: bool  # the batch was not full after algorithm.max_sampling_rounds
     groups_generated: int  # groups the engine completed, settled or not (aborted ones not counted)
     groups_aborted: int  # groups drawn but cancelled before they completed: not needed for the batch
-    groups_settled: int  # groups taken in draw order: kept + trimmed + all correct + all wrong
+    groups_settled: int  # groups taken in draw order: kept + trimmed + all correct + all wrong + stale
     groups_kept: int  # groups in the training batch
     groups_all_correct: int  # dropped: every response right
     groups_all_wrong: int  # dropped: every response wrong
     groups_trimmed: int  # mixed groups left out so that the batch divides across data-parallel ranks
+    groups_stale: int  # mixed groups dropped: started by weights older than rollout.max_staleness allows
+    prompts_drawn: int  # prompts taken from the data for this batch (settled, aborted or left over)
     samples_generated: int  # responses of the groups generated
     samples_per_kept_sample: float  # samples_generated / responses in the batch (inf if the batch is empty)
     accuracy: float  # fraction of the settled groups' responses judged correct

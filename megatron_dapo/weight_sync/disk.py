@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import shutil
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -50,8 +51,10 @@ class DiskSyncer:
         self.work_dir, self.timeout_s = Path(work_dir), timeout_s
         self.loaded: Path | None = None  # the folder the servers serve now
 
-    def sync(self, model: torch.nn.Module, version: str) -> SyncMetrics | None:
-        metrics = sync_weights_via_disk(model, self.spec, self.parallel, server_urls=self.urls,
+    def sync(self, model: torch.nn.Module, version: str, skip: Sequence[str] = ()) -> SyncMetrics | None:
+        """`skip`: servers down, left out (a server's restart loads `loaded`)."""
+        metrics = sync_weights_via_disk(model, self.spec, self.parallel,
+                                        server_urls=[u for u in self.urls if u not in skip],
                                         directory=self.work_dir, version=version, hf_config=self.hf_config,
                                         timeout_s=self.timeout_s)
         folder = self.work_dir / f"weights-{version}"

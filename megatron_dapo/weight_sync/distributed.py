@@ -11,6 +11,7 @@ Gathering first matters: a server that has entered the broadcast waits only on t
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from datetime import timedelta
 
@@ -56,7 +57,8 @@ class DistributedSyncer:
 
     `master_address` is where the servers reach trainer rank 0 (127.0.0.1 when they share its machine).
     A server that restarted since the group formed (its `startup_time` changed) left the group with its
-    old process: the next sync forms the group anew first.
+    old process, and a server a sync is told to skip (down: `skip`) cannot take part: such a sync forms the
+    group anew first, of the servers it pushes to.
     """
 
     def __init__(self, server_urls: list[str], spec: ModelSpec, parallel: ParallelConfig, bucket_bytes: int, *,
@@ -65,20 +67,24 @@ class DistributedSyncer:
         self.bucket_bytes, self.master_address, self.timeout_s = bucket_bytes, master_address, timeout_s
         self.group: dist.ProcessGroup | None = None
         self.group_name = ""
-        self.started: list[float] = []  # each server's startup_time when the group formed
+        self.members: list[str] = []  # the servers in the group
+        self.started: dict[str, float] = {}  # each member's startup_time when the group formed
         if dist.get_rank() == 0:
-            self._form_group([server_info(u) for u in self.urls])
+            self._form_group(self.urls, [server_info(u) for u in self.urls])
 
-    def _form_group(self, infos: list[dict]) -> None:
+    def _form_group(self, urls: list[str], infos: list[dict]) -> None:
+        if not urls:  # every server is down: the group forms again once one is back
+            self.members, self.started = [], {}
+            return
         backend = "gloo" if self.parallel.device == "cpu" else "nccl"
         tp_sizes = [int(i["tp_size"]) for i in infos]
         offsets = [1 + sum(tp_sizes[:i]) for i in range(len(tp_sizes))]
         world_size = 1 + sum(tp_sizes)
         port = free_port(self.master_address)
         name = f"megatron_dapo_weights_{port}"
-        pool = ThreadPoolExecutor(max_workers=len(self.urls) + 1)
+        pool = ThreadPoolExecutor(max_workers=len(urls) + 1)
         try:
-            joins = call_each(pool, self.urls, "/init_weights_update_group",
+            joins = call_each(pool, urls, "/init_weights_update_group",
                               lambda i: {"master_address": self.master_address, "master_port": port,
                                          "rank_offset": offsets[i], "world_size": world_size,
                                          "group_name": name, "backend": backend}, self.timeout_s)
@@ -88,21 +94,26 @@ class DistributedSyncer:
         finally:
             pool.shutdown(wait=False)  # a join left waiting after a failure ends with its timeout
         self.group, self.group_name = mine.result(), name
-        self.started = [i["startup_time"] for i in infos]
+        self.members, self.started = list(urls), {u: i["startup_time"] for u, i in zip(urls, infos)}
 
     def _leave_group(self, urls: list[str]) -> None:
+        if self.group is None:  # none formed: every server was down
+            return
         call_all(urls, "/destroy_weights_update_group", {"group_name": self.group_name}, self.timeout_s)
         dist.destroy_process_group(self.group)
         self.group = None
 
-    def _regroup_if_restarted(self) -> None:
-        infos = [server_info(u) for u in self.urls]
-        kept = [u for u, i, t in zip(self.urls, infos, self.started) if i["startup_time"] == t]
-        if len(kept) < len(self.urls):
-            log.warning("weight sync: %d server(s) restarted since the weight-update group formed; forming it anew",
-                        len(self.urls) - len(kept))
+    def _regroup(self, skip) -> None:
+        """The group anew if its servers changed: one restarted, is skipped, or is back."""
+        urls = [u for u in self.urls if u not in skip]
+        infos = [server_info(u) for u in urls]
+        kept = [u for u, i in zip(urls, infos) if self.started.get(u) == i["startup_time"]]  # same process, in it
+        if kept != urls or self.members != urls:
+            log.warning("weight sync: forming the weight-update group anew: %d of its %d server(s) restarted or are "
+                        "down; pushing to %d of %d", len(self.members) - len(kept), len(self.members), len(urls),
+                        len(self.urls))
             self._leave_group(kept)
-            self._form_group(infos)
+            self._form_group(urls, infos)
 
     def _push(self, bucket, version: str) -> None:
         dtype = str(bucket.dtype).removeprefix("torch.")
@@ -110,21 +121,25 @@ class DistributedSyncer:
                    "shapes": [list(s) for s in bucket.shapes], "group_name": self.group_name,
                    "load_format": "flattened_bucket", "flush_cache": bucket.last,
                    "weight_version": version if bucket.last else None}
-        with ThreadPoolExecutor(max_workers=len(self.urls)) as pool:
-            posts = call_each(pool, self.urls, "/update_weights_from_distributed", lambda _: payload, self.timeout_s)
+        with ThreadPoolExecutor(max_workers=len(self.members)) as pool:
+            posts = call_each(pool, self.members, "/update_weights_from_distributed", lambda _: payload, self.timeout_s)
             sent = dist.broadcast(bucket.flat, group=self.group, group_src=0, async_op=True)
             # A server that refuses the call never joins the broadcast: its answer must not wait on it.
             _settle(posts, "update_weights_from_distributed")
             sent.wait()
 
-    def sync(self, model: torch.nn.Module, version: str) -> SyncMetrics | None:
+    def sync(self, model: torch.nn.Module, version: str, skip: Sequence[str] = ()) -> SyncMetrics | None:
         if dist.get_rank() == 0:
-            self._regroup_if_restarted()
+            self._regroup(skip)
         buckets = iter_hf_buckets(model, self.spec, self.parallel, self.bucket_bytes)
-        return push_buckets(self.urls if dist.get_rank() == 0 else [], buckets,
-                            lambda bucket: self._push(bucket, version), self.timeout_s)
+        members = self.members if dist.get_rank() == 0 else []
+        return push_buckets(members, buckets, (lambda bucket: self._push(bucket, version)) if members else _no_push,
+                            self.timeout_s)
 
     def close(self) -> None:
         """Leave the weight group on both sides."""
-        if self.group is not None:
-            self._leave_group(self.urls)
+        self._leave_group(self.members)
+
+
+def _no_push(bucket) -> None:
+    """No server to push to (all down): the trainer's ranks still walk the buckets together."""

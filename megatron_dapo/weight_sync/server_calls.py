@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import time
 import urllib.error
 import urllib.request
@@ -16,9 +17,15 @@ from megatron_dapo.rollout.sglang_server import post_json
 from megatron_dapo.weight_sync.buckets import Bucket
 from megatron_dapo.weight_sync.metrics import SyncMetrics
 
+log = logging.getLogger(__name__)
+
 
 class WeightUpdateError(RuntimeError):
     """A server refused or failed a weight-update call; the message names the server and its reason."""
+
+
+class ServerUnreachable(WeightUpdateError):
+    """The server did not answer at all: it is down (or its machine unreachable)."""
 
 
 def call(url: str, endpoint: str, payload: dict, timeout_s: float) -> dict:
@@ -29,7 +36,7 @@ def call(url: str, endpoint: str, payload: dict, timeout_s: float) -> dict:
     except urllib.error.HTTPError as e:  # SGLang answers a refused update with 400 and a message
         raise WeightUpdateError(f"{target}: HTTP {e.code}: {e.read().decode(errors='replace')[:2000]}") from None
     except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as e:
-        raise WeightUpdateError(f"{target}: server unreachable: {e}") from None
+        raise ServerUnreachable(f"{target}: server unreachable: {e}") from None
     if isinstance(reply, dict) and reply.get("success") is False:
         raise WeightUpdateError(f"{target}: {reply.get('message', reply)}")
     return reply
@@ -54,17 +61,26 @@ def call_all(urls: list[str], endpoint: str, payload: dict | Callable[[int], dic
 
 
 @contextmanager
-def generation_paused(urls: list[str], timeout_s: float) -> Iterator[None]:
+def generation_paused(urls: list[str], timeout_s: float) -> Iterator[list[str]]:
     """Pause the servers' generation for a weight update pushed while they sample, then let it go on. The
     running requests are retracted (SGLang's pause mode "retract"): they keep their tokens and log-probs, the
     update flushes the cache (no KV of the old weights stays), and on continuing each recomputes its prompt and
     tokens so far under the new weights and samples the rest with them, which the server records per response
-    (its weight-version spans: the partial rollouts of rollout.mode async)."""
-    call_all(urls, "/pause_generation", {"mode": "retract"}, timeout_s)
+    (its weight-version spans: the partial rollouts of rollout.mode async). Yields the servers paused: one that
+    does not answer is down, left out of the update (whoever restarts it gives it the weights then)."""
+    with ThreadPoolExecutor(max_workers=max(len(urls), 1)) as pool:
+        pauses = call_each(pool, urls, "/pause_generation", lambda _: {"mode": "retract"}, timeout_s)
+    paused = []
+    for url, pause in zip(urls, pauses):
+        try:
+            pause.result()
+            paused.append(url)
+        except ServerUnreachable as e:
+            log.warning("weight push: %s; left out of this update", e)
     try:
-        yield
+        yield paused
     finally:
-        call_all(urls, "/continue_generation", {}, timeout_s)
+        call_all(paused, "/continue_generation", {}, timeout_s)
 
 
 def server_info(url: str, timeout_s: float = 30.0) -> dict:

@@ -2,6 +2,7 @@
 
     syncer = make_weight_syncer("distributed", server_urls, spec, parallel, hf_config, bucket_mb=512, work_dir=...)
     metrics = syncer.sync(model, version=str(step))  # collective; SyncMetrics on global rank 0, None elsewhere
+    syncer.sync(model, version, skip=[url])  # a server that is down left out (the disk and distributed routes)
     syncer.close()
 
 Routes: "distributed" (servers on other GPUs or machines: a weight-update process group, NCCL/gloo),
@@ -30,7 +31,8 @@ ROUTES = ("distributed", "tensor", "disk")
 
 
 class WeightSyncer(Protocol):
-    def sync(self, model: torch.nn.Module, version: str) -> SyncMetrics | None: ...
+    def sync(self, model: torch.nn.Module, version: str, skip: Sequence[str] = ()) -> SyncMetrics | None:
+        """Collective; `skip`: servers that are down (global rank 0's word), left out of this push."""
 
     def close(self) -> None: ...
 

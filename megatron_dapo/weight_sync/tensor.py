@@ -32,7 +32,7 @@ from megatron_dapo.config import ParallelConfig
 from megatron_dapo.policy.hf_config import ModelSpec
 from megatron_dapo.weight_sync.buckets import iter_hf_buckets, plain_buffer
 from megatron_dapo.weight_sync.metrics import SyncMetrics
-from megatron_dapo.weight_sync.server_calls import call_all, push_buckets, server_tp_size
+from megatron_dapo.weight_sync.server_calls import WeightUpdateError, call_all, push_buckets, server_tp_size
 
 
 def shared_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
@@ -91,8 +91,12 @@ class TensorSyncer:
         if parallel.device == "cpu" and self.urls:
             use_file_system_sharing()
 
-    def sync(self, model: torch.nn.Module, version: str) -> SyncMetrics | None:
-        """The metrics on each pushing rank, None elsewhere."""
+    def sync(self, model: torch.nn.Module, version: str, skip: Sequence[str] = ()) -> SyncMetrics | None:
+        """The metrics on each pushing rank, None elsewhere. Colocated servers are pushed to by the rank beside
+        them, which cannot leave one out: `skip` (servers down) is refused."""
+        if skip:
+            raise WeightUpdateError(f"the tensor route cannot push around servers that are down: {', '.join(skip)}; "
+                                    "the run resumes from its last checkpoint once they are back")
         def push(bucket):
             named = bucket.named_tensors()
             # One pickle per receiving rank: each unpickling takes back the reference its pickling added.

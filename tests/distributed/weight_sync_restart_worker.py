@@ -1,8 +1,9 @@
 """torchrun worker (1 process): the distributed route keeps working across a server restart.
 
-Sync changed weights as version 1, signal the test (SYNCED file) and wait while it restarts the server
-(RESTARTED file); change the weights again and sync version 2, which has to form the weight-update
-group anew; then check the server's new samples against the policy.
+Sync changed weights as version 1, signal the test (SYNCED file) and wait while it stops the server
+(STOPPED); sync with the server left out (skip: it is down), which leaves the weight-update group, and say
+so (SKIPPED); wait while the test starts it again (RESTARTED); change the weights again and sync version 2,
+which has to form the group anew; then check the server's new samples against the policy.
 
 argv: OUT_JSON MODEL_DIR SERVER_URL FLAG_DIR
 """
@@ -31,6 +32,13 @@ def perturb(module, seed):
             p.add_(0.05 * torch.randn(p.shape, generator=g).to(p.device))
 
 
+def wait_for(flag: Path) -> None:
+    deadline = time.monotonic() + 600
+    while not flag.exists():
+        assert time.monotonic() < deadline, f"the test did not write {flag.name}"
+        time.sleep(0.5)
+
+
 def main(out_json, model_dir, url, flag_dir):
     parallel = ParallelConfig(device="cpu", seed=3)
     runtime = init_runtime(parallel)
@@ -43,16 +51,18 @@ def main(out_json, model_dir, url, flag_dir):
     syncer.sync(trainer.module, "1")
     first = sample(url)
     (Path(flag_dir) / "SYNCED").touch()
-    deadline = time.monotonic() + 600
-    while not (Path(flag_dir) / "RESTARTED").exists():
-        assert time.monotonic() < deadline, "the test did not restart the server"
-        time.sleep(0.5)
+    wait_for(Path(flag_dir) / "STOPPED")
+    skipped = syncer.sync(trainer.module, "1", skip=[url])  # the trainer's side only: no server to push to
+    members_while_down = syncer.members if skipped is None else "metrics: pushed somewhere"
+    (Path(flag_dir) / "SKIPPED").touch()
+    wait_for(Path(flag_dir) / "RESTARTED")
     restarted = sample(url)
     perturb(trainer.module, 2)
     syncer.sync(trainer.module, "2")
     after = sample(url)
     syncer.close()
-    result = {"first": parity(trainer, spec, runtime, first)[0], "versions_first": versions(first),
+    result = {"skipped_members": members_while_down,
+              "first": parity(trainer, spec, runtime, first)[0], "versions_first": versions(first),
               "restarted": parity(trainer, spec, runtime, restarted)[0], "versions_restarted": versions(restarted),
               "after": parity(trainer, spec, runtime, after)[0], "versions_after": versions(after)}
     Path(out_json).write_text(json.dumps(result))
