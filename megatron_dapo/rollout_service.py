@@ -7,9 +7,8 @@ a server restarted mid-job needs the trainer's weights (`restarted` names it): t
 which keeps every collective to itself, syncs them with every rank and calls `resynced`. With SGLang
 servers the service runs in a process of its own (rollout_service_process.py), its jobs on a thread there
 (JobRunner), which is what lets the overlapping rollout modes sample the next steps' batches while this
-one trains. The in-process engine
-samples with the live policy, inline on the driver's main thread (no server to restart; the
-device-faithful checks are per thread).
+one trains. The in-process engine samples with the live policy, inline on the driver's main thread (no
+server to restart; the device-faithful checks are per thread).
 """
 
 from __future__ import annotations
