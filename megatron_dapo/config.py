@@ -44,11 +44,15 @@ class ParallelConfig:
     # global rank 0 does alone meanwhile (a checkpoint write, the disk weight sync); `megatron-dapo preflight`
     # estimates that.
     distributed_timeout_minutes: int = 30
+    # Seconds a trainer rank may go without beating (rank_heartbeat.py: a thread of its own, whatever its main
+    # thread waits on) before the job ends, naming it as stuck.
+    heartbeat_timeout_s: float = 300.0
 
     def __post_init__(self):
         for key in ("tensor_parallel", "pipeline_parallel", "context_parallel", "expert_parallel",
                     "distributed_timeout_minutes"):
             _whole(getattr(self, key), f"parallel.{key}", 1)
+        _positive(self.heartbeat_timeout_s, "parallel.heartbeat_timeout_s")
         _require(self.device in ("cuda", "cpu"), "parallel.device", f"must be 'cuda' or 'cpu', got {self.device!r}")
         _require(self.context_parallel == 1, "parallel.context_parallel",
                  f"context parallelism is not supported yet, got {self.context_parallel}; set it to 1")
@@ -194,6 +198,12 @@ class RolloutConfig:
     # the other groups in flight; `megatron-dapo preflight` estimates the worst case.
     request_timeout_s: float = 600.0
     max_server_restarts: int = 3
+    # Seconds one job of the rollout service may run (a step's batch with all its rounds of dynamic sampling,
+    # server restarts included; an evaluation) before the run fails, naming it.
+    job_timeout_s: float = 10800.0
+    # Seconds a server with calls in flight may leave /health unanswered before it counts as stuck (stopped, its
+    # machine hung): its calls fail at once, it is restarted and its groups are sent again.
+    server_health_timeout_s: float = 60.0
     weight_sync: str = "distributed"  # "distributed" (NCCL/gloo), "tensor" (colocated), "disk"
     weight_sync_bucket_mb: int = 512
     # Seconds one HTTP call of the weight sync or of the servers' memory release / resume may take (the
@@ -245,6 +255,11 @@ class RolloutConfig:
         _positive(self.request_timeout_s, "rollout.request_timeout_s")
         _positive(self.weight_sync_timeout_s, "rollout.weight_sync_timeout_s")
         _whole(self.max_server_restarts, "rollout.max_server_restarts", 0)
+        _positive(self.server_health_timeout_s, "rollout.server_health_timeout_s")
+        _positive(self.job_timeout_s, "rollout.job_timeout_s")
+        _require(self.job_timeout_s >= self.request_timeout_s, "rollout.job_timeout_s",
+                 f"{self.job_timeout_s:g} s is shorter than one group's rollout.request_timeout_s "
+                 f"({self.request_timeout_s:g} s); raise it, or lower rollout.request_timeout_s")
         _require(self.weight_sync in ("distributed", "tensor", "disk"), "rollout.weight_sync",
                  f"must be 'distributed', 'tensor' or 'disk', got {self.weight_sync!r}")
         _whole(self.weight_sync_bucket_mb, "rollout.weight_sync_bucket_mb", 1)
@@ -273,6 +288,9 @@ class TrainConfig:
     resume: bool = True  # continue from the latest complete checkpoint in output_dir
     tensorboard: bool = True
     max_bad_steps: int = 3  # rollout steps in a row with an update skipped for a non-finite loss or gradient
+    # Seconds a rank may take to write its part of a checkpoint (a stalled filesystem): past it the run ends,
+    # naming the rank and the folder; the previous complete checkpoint stays the latest.
+    checkpoint_timeout_s: float = 1800.0
 
     def __post_init__(self):
         _whole(self.steps, "train.steps", 1)
@@ -281,6 +299,7 @@ class TrainConfig:
         _whole(self.checkpoint_every, "train.checkpoint_every", 0)
         _whole(self.keep_last, "train.keep_last", 1)
         _whole(self.max_bad_steps, "train.max_bad_steps", 1)
+        _positive(self.checkpoint_timeout_s, "train.checkpoint_timeout_s")
 
 
 @dataclass(frozen=True)

@@ -178,12 +178,18 @@ class JobRunner:
         self._queue: queue.SimpleQueue[_Job] = queue.SimpleQueue()  # for the worker thread
         self._worker: threading.Thread | None = None
         self._running: _Job | None = None
+        self._started_at = 0.0  # when the running job started (time.monotonic)
         self._finished_at: float | None = None  # when the worker last ran out of jobs
         self._restarts: queue.SimpleQueue[tuple[str, threading.Event]] = queue.SimpleQueue()
         self._resyncing: threading.Event | None = None
         self.restarted: str | None = None  # the server waiting for the weights, after wait() said RESYNC
         self.idle_s = 0.0  # seconds the worker had no job before the running one started
         self._closed = False
+
+    @property
+    def running_s(self) -> float | None:
+        """Seconds the running job has run; None when none runs."""
+        return None if self._running is None else time.monotonic() - self._started_at
 
     @property
     def pending(self) -> list[str]:
@@ -266,6 +272,7 @@ class JobRunner:
         now = time.perf_counter()
         self.idle_s = 0.0 if self._finished_at is None else now - self._finished_at
         self._finished_at = None
+        self._started_at = time.monotonic()
         self._running = job
         try:
             job.result = job.run()

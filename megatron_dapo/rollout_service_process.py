@@ -7,7 +7,9 @@ message over a pipe. The process queues the jobs it is sent and answers the othe
 forwards a restarted server's need for the weights (RESYNC), and each job's result as it is done, in the order
 queued. Batches travel packed (ReadyBatch.state_dict). Its log is `<train.output_dir>/rollout.log`. If the
 process dies, the driver's next call raises, naming it; if the driver dies, the process stops its servers and
-exits.
+exits. Nothing waits forever: the process beats over the pipe, and a driver that hears nothing from it for
+parallel.heartbeat_timeout_s fails, naming it as stuck; a job that runs past rollout.job_timeout_s fails the
+run, naming the job.
 """
 
 from __future__ import annotations
@@ -15,6 +17,9 @@ from __future__ import annotations
 import collections
 import logging
 import multiprocessing
+import os
+import threading
+import time
 import traceback
 import weakref
 from pathlib import Path
@@ -25,6 +30,8 @@ from megatron_dapo.run_config import DapoConfig
 log = logging.getLogger(__name__)
 
 STOP_TIMEOUT_S = 120.0  # for the process to stop its servers and exit once asked
+BEAT = "beat"
+STARTUP_SILENCE_S = 120.0  # the most the process may take to start beating
 
 
 class RolloutServiceError(RuntimeError):
@@ -36,6 +43,7 @@ class RolloutServiceProcess:
         ctx = multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self.log_path = Path(cfg.train.output_dir) / "rollout.log"
+        self.silence_s = cfg.parallel.heartbeat_timeout_s
         self._proc = ctx.Process(target=_serve, args=(cfg, dp_size, child), name="rollout-service")
         self._proc.start()
         child.close()
@@ -45,19 +53,28 @@ class RolloutServiceProcess:
         self._jobs: collections.deque[str] = collections.deque()  # queued, results not taken; oldest first
         self._results: collections.deque[tuple] = collections.deque()  # of the oldest jobs, received
         self.restarted: str | None = None
-        kind, value = self._recv()
+        kind, value = self._recv(max(self.silence_s, STARTUP_SILENCE_S))  # its first beat comes after its imports
         if kind != "up":
             self._proc.join(STOP_TIMEOUT_S)
             raise RolloutServiceError(f"the rollout service did not start: {value}")
         self.server_urls: list[str] = value
 
-    def _recv(self) -> tuple:
-        try:
-            return self._conn.recv()
-        except (EOFError, OSError):
-            self._proc.join(5)
-            raise RolloutServiceError(f"the rollout service process exited (code {self._proc.exitcode}); its log: "
-                                      f"{self.log_path}") from None
+    def _recv(self, silence_s: float | None = None) -> tuple:
+        """The service's next message, its beats skipped."""
+        silence_s = silence_s or self.silence_s
+        while True:
+            if not self._conn.poll(silence_s):
+                raise RolloutServiceError(
+                    f"the rollout service process (pid {self._proc.pid}) has sent nothing, not even its heartbeat, "
+                    f"for {silence_s:g} s (parallel.heartbeat_timeout_s): it is stuck; its log: {self.log_path}")
+            try:
+                message = self._conn.recv()
+            except (EOFError, OSError):
+                self._proc.join(5)
+                raise RolloutServiceError(f"the rollout service process exited (code {self._proc.exitcode}); its "
+                                          f"log: {self.log_path}") from None
+            if message[0] != BEAT:
+                return message
 
     def _call(self, *message) -> None:
         try:
@@ -125,6 +142,34 @@ class RolloutServiceProcess:
         self._conn.close()
 
 
+class _Link:
+    """The service's end of the pipe, shared by its main thread and its heartbeat thread."""
+
+    def __init__(self, conn):
+        self.conn = conn
+        self._lock = threading.Lock()
+
+    def send(self, message: tuple) -> None:
+        with self._lock:
+            self.conn.send(message)
+
+    def poll(self, timeout: float | None) -> bool:
+        return self.conn.poll(timeout)
+
+    def recv(self) -> tuple:
+        return self.conn.recv()
+
+
+def _beat(link: _Link, interval_s: float) -> None:
+    """The service's heartbeat thread: a beat every `interval_s` until the driver is gone."""
+    while True:
+        time.sleep(interval_s)
+        try:
+            link.send((BEAT,))
+        except OSError:
+            return
+
+
 def _serve(cfg: DapoConfig, dp_size: int, conn) -> None:
     """The service process: build the service, then answer the driver's commands until told to close (or
     until the driver is gone)."""
@@ -133,6 +178,9 @@ def _serve(cfg: DapoConfig, dp_size: int, conn) -> None:
     from megatron_dapo.run_logging import setup_run_logging
 
     setup_run_logging(cfg.train.output_dir, "rollout")
+    conn = _Link(conn)
+    threading.Thread(target=_beat, args=(conn, min(cfg.parallel.heartbeat_timeout_s / 5, 10.0)), name="heartbeat",
+                     daemon=True).start()
     engine = service = None
     try:
         engine = sglang_engine(cfg.rollout, cfg.model.path, Path(cfg.train.output_dir) / "sglang",
@@ -146,16 +194,21 @@ def _serve(cfg: DapoConfig, dp_size: int, conn) -> None:
             engine.close()
         return
     try:
-        _answer(service, conn)
+        _answer(service, conn, cfg.rollout.job_timeout_s)
     except (EOFError, OSError):
         log.warning("the driver is gone: stopping the rollout service")
     finally:
         service.close()
+        # Its servers are stopped. A job thread still blocked (past its deadline, or on a server that will not
+        # come back) must not hold the exit, as the interpreter's exit would wait for the engine's threads.
+        logging.shutdown()
+        os._exit(0)
 
 
-def _answer(service, conn) -> None:
+def _answer(service, conn: _Link, job_timeout_s: float) -> None:
     """Run the driver's commands, the jobs queued on the service's thread, until told to close; send each
-    job's result as it is done, and a restarted server's need for the weights as it arises."""
+    job's result as it is done, and a restarted server's need for the weights as it arises. A job that runs
+    past `job_timeout_s` is sent as failed, and the service stops (its thread cannot be stopped)."""
     while True:
         if conn.poll(0.05 if service.pending else None):
             command, *args = conn.recv()
@@ -176,6 +229,14 @@ def _answer(service, conn) -> None:
                 service.load_state_dict(*args)
             else:
                 raise RuntimeError(f"the rollout service got an unknown command {command!r}")
+        running_s = service.jobs.running_s
+        if running_s is not None and running_s > job_timeout_s:
+            job = service.pending[0]
+            log.error("the %s job has run for %.0f s, past rollout.job_timeout_s; stopping the service", job, running_s)
+            conn.send(("done", None, f"the {job} job did not finish within rollout.job_timeout_s = {job_timeout_s:g} "
+                                     "s (see the service's log for what it was waiting on); raise it if a step's "
+                                     "sampling really takes that long"))
+            return
         if service.pending and service.restarted is None:
             status = service.wait(timeout=0)
             if status == RESYNC:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import os
 import time
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
@@ -41,7 +42,9 @@ from megatron_dapo.policy.mismatch import reduce_mismatch
 from megatron_dapo.policy.model import build_model
 from megatron_dapo.policy.rollout_samples import training_samples
 from megatron_dapo.policy.train_step import PolicyTrainer
+from megatron_dapo.rank_heartbeat import RankHeartbeat
 from megatron_dapo.rank_shares import PackedShare, deal_by_tokens
+from megatron_dapo.rollout.server_key import SERVER_KEY_ENV, ensure_server_key
 from megatron_dapo.rollout.server_memory import ServerMemory
 from megatron_dapo.rollout_service import RESYNC, ReadyBatch, RolloutService
 from megatron_dapo.run_config import DapoConfig
@@ -52,11 +55,13 @@ log = logging.getLogger(__name__)
 
 
 class StepTimer:
-    def __init__(self):
+    def __init__(self, on_enter=lambda name: None):
         self.seconds: dict[str, float] = {}
+        self.on_enter = on_enter  # told each section's name as it starts
 
     @contextmanager
     def __call__(self, name: str):
+        self.on_enter(name)
         start = time.perf_counter()
         yield
         self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
@@ -69,6 +74,10 @@ class DapoTrainer:
         self.cfg = cfg
         self.runtime = init_runtime(cfg.parallel)
         self.driver = dist.get_rank() == 0
+        env = self.runtime.env
+        self.heartbeat = RankHeartbeat(env.rank, env.world_size, env.node,
+                                       env.master_addr if env.world_size > 1 else None, env.master_port,
+                                       cfg.parallel.heartbeat_timeout_s)
         self.signal = DriverSignal()  # the driver's word to the ranks waiting on its rollout
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.dp_size = parallel_state.get_data_parallel_world_size()
@@ -94,6 +103,8 @@ class DapoTrainer:
         # The driver's: batches sampled ahead of their step (the overlapping modes), taken from the service and
         # not yet trained on, oldest first.
         self.ready: list[ReadyBatch] = []
+        if cfg.rollout.engine == "sglang":
+            self._share_server_key()
         self.service = self._rollout_service() if self.driver else None
         resume = latest_checkpoint(self.checkpoint_root) if cfg.train.resume else None
         if resume is not None:
@@ -144,6 +155,13 @@ class DapoTrainer:
         from megatron_dapo.rollout_service_process import RolloutServiceProcess
 
         return RolloutServiceProcess(cfg, self.dp_size)
+
+    def _share_server_key(self) -> None:
+        """Every rank: the driver's key for the run's SGLang servers (server_key.py) in its environment, where
+        the servers the service starts and every call to them take it from."""
+        box = [ensure_server_key() if self.driver else None]
+        dist.broadcast_object_list(box, src=0)
+        os.environ[SERVER_KEY_ENV] = box[0]
 
     def _server_urls(self) -> list[str]:
         """Every SGLang server's own URL (not the router's), on every rank; none for the local engine."""
@@ -253,7 +271,7 @@ class DapoTrainer:
 
     def step(self) -> dict[str, float]:
         """One DAPO step; returns its metrics (complete on the driver)."""
-        timer = StepTimer()
+        timer = StepTimer(lambda name: self._doing(f"step {self.step_index + 1}: {name}"))
         start = time.perf_counter()
         with timer("rollout"):
             share, metrics = self._share()
@@ -296,6 +314,11 @@ class DapoTrainer:
         metrics.update(train_metrics, tokens_per_s=metrics.get("batch_tokens", 0.0) / step_s, **{"time/step": step_s},
                        **{f"time/{k}": v for k, v in timer.seconds.items()})
         return metrics
+
+    def _doing(self, what: str, within_s: float | None = None, key: str | None = None) -> None:
+        """What this rank's main thread does now, for its heartbeat (named if it gets stuck there); `within_s`:
+        the deadline it must be done in (config `key`)."""
+        self.heartbeat.set_doing(what, within_s, key)
 
     def _updates(self, samples: list, share: PackedShare) -> list[list]:
         """This rank's samples cut into the step's updates (rank_shares.deal_by_tokens); fewer than
@@ -381,6 +404,7 @@ class DapoTrainer:
     def evaluate(self) -> dict[str, float]:
         """Every rank: avg@k and pass@k on the held-out prompts at the eval section's sampling settings, computed
         by the driver's rollout service while the other ranks wait for it outside collectives; {} on those."""
+        self._doing(f"evaluation after step {self.step_index}")
         if self.driver:  # queued behind the batches sampled ahead, which the driver keeps
             self.service.start_eval()
         results = self._await_service("evaluated", jobs=len(self.service.pending) if self.driver else 0)
@@ -392,14 +416,18 @@ class DapoTrainer:
     def save_checkpoint(self) -> None:
         # The data position is the service's between jobs: the batches sampled ahead are taken first, and kept
         # in the checkpoint, so that the resumed run trains on them and draws no prompt twice.
+        self._doing(f"waiting for the batches ahead before the checkpoint of step {self.step_index}")
         self._drain("drained")
         extra = {"step": self.step_index, "sampler": self.service.state_dict() if self.driver else None,
                  "config": self.cfg.to_dict()}
         box = [extra]
         dist.broadcast_object_list(box, src=0)  # the driver's data position goes in
         buffer = {"rollout_buffer": [b.state_dict() for b in self.ready]} if self.ready else None
+        self._doing(f"writing the checkpoint of step {self.step_index} in {self.checkpoint_root}",
+                    self.cfg.train.checkpoint_timeout_s, "train.checkpoint_timeout_s")
         save_trainer_checkpoint(self.checkpoint_root, self.step_index, self.policy, box[0],
                                 keep_last=self.cfg.train.keep_last, driver_state=buffer)
+        self._doing(f"done with the checkpoint of step {self.step_index}")
 
     def train(self) -> dict[str, float]:
         """Run until train.steps; returns the last step's metrics (on the driver)."""
@@ -424,6 +452,7 @@ class DapoTrainer:
         return metrics
 
     def close(self) -> None:
+        self.heartbeat.close()
         if self.syncer is not None:
             self.syncer.close()
         if self.driver:

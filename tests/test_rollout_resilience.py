@@ -12,8 +12,11 @@ import signal
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
+import psutil
 import pytest
 from torchrun_launch import torchrun
 
@@ -22,6 +25,7 @@ from tiny_models import save_with_tokenizer  # noqa: E402
 
 from megatron_dapo.rollout.engine import SamplingParams  # noqa: E402
 from megatron_dapo.rollout.router import SGLangRouter  # noqa: E402
+from megatron_dapo.rollout.server_key import SERVER_KEY_ENV  # noqa: E402
 from megatron_dapo.rollout.sglang_engine import HTTPStatusError, RolloutError, SGLangEngine  # noqa: E402
 from megatron_dapo.rollout.sglang_server import ServerError, SGLangServer, SGLangServerConfig, post_json  # noqa: E402
 from megatron_dapo.weight_sync.server_calls import generation_paused  # noqa: E402
@@ -33,12 +37,15 @@ PROMPTS = ["What is 3 plus 4?", "Compute 12 times 3.", "If x + 2 = 5 then", "A t
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
+    """The server requires a key, as a run's do: every call of these tests goes with it."""
     root = tmp_path_factory.mktemp("resilience")
     tokenizer = save_with_tokenizer(root / "model")
     config = SGLangServerConfig(str(root / "model"), device="cpu", dtype="float32", max_total_tokens=8192,
                                 startup_timeout_s=300)
-    with SGLangEngine.launch([config], root, use_router=False) as launched:
-        yield launched.servers[0].process, [tokenizer.encode(p) for p in PROMPTS], root
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv(SERVER_KEY_ENV, "test-key-" + os.urandom(8).hex())
+        with SGLangEngine.launch([config], root, use_router=False) as launched:
+            yield launched.servers[0].process, [tokenizer.encode(p) for p in PROMPTS], root
 
 
 def kill(server: SGLangServer) -> None:
@@ -146,6 +153,24 @@ def test_transient_failures_are_retried_with_the_whole_group(setup):
     engine._post_group = always_reset
     with pytest.raises(RolloutError, match=r"failed 2 times \(max_attempts\).*connection reset"):
         engine.generate(prompts[:1], 2, SamplingParams(max_new_tokens=8))
+
+
+def test_a_call_without_the_run_key_is_refused_and_the_key_is_not_on_the_command_line(setup):
+    server, prompts, root = setup
+    key = os.environ[SERVER_KEY_ENV]
+    assert key not in " ".join(psutil.Process(server.proc.pid).cmdline())  # `ps` shows every user the command
+    for endpoint, payload in [("/generate", {"input_ids": prompts[0], "sampling_params": {"max_new_tokens": 2}}),
+                              ("/update_weights_from_disk", {"model_path": str(root / "model")}),
+                              ("/pause_generation", {})]:
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            request = urllib.request.Request(f"{server.url}{endpoint}", data=json.dumps(payload).encode(),
+                                             headers={"Content-Type": "application/json", **headers})
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                urllib.request.urlopen(request, timeout=30)
+            assert refused.value.code == 401, endpoint
+    assert post_json(f"{server.url}/generate", {"input_ids": prompts[0], "sampling_params": {"max_new_tokens": 2}},
+                     60)["meta_info"]["completion_tokens"] >= 1  # with the key
+    assert server.healthy()  # /health stays open: liveness probes need no key
 
 
 def test_bad_inputs_give_clear_errors(setup):
@@ -267,6 +292,39 @@ def test_a_server_killed_mid_rollout_is_restarted_and_no_sample_is_lost(setup, t
     result = json.loads((tmp_path / "out.json").read_text())
     assert result["tokens"] == sum(len(s["output"]) for s in samples)
     assert result["max_abs_diff"] < 1e-4
+
+
+def test_a_stopped_server_mid_rollout_counts_as_dead_within_its_health_deadline(setup, caplog):
+    """SIGSTOP: the server is there but answers nothing. Its calls would wait out the request timeout (600 s);
+    the engine's watchdog finds it stuck within health_timeout_s, and it is restarted, resynced, its groups sent
+    again: every sample exactly once."""
+    server, prompts, root = setup
+    resynced = []
+
+    def on_server_restart(url):
+        assert post_json(f"{url}/update_weights_from_disk", {"model_path": str(root / "model"),
+                                                             "weight_version": "resynced"}, 300)["success"]
+        resynced.append(time.monotonic())
+
+    engine = SGLangEngine(server, max_in_flight=4, health_timeout_s=3.0, request_timeout_s=600.0,
+                          on_server_restart=on_server_restart)
+    groups = []
+    with caplog.at_level("WARNING", logger="megatron_dapo.rollout.sglang_engine"):
+        for group in engine.stream(prompts, 4, SamplingParams(max_new_tokens=64)):
+            groups.append(group)
+            if len(groups) == 1:
+                os.killpg(server.proc.pid, signal.SIGSTOP)  # 3 groups in flight, 4 not sent yet
+                stopped, stopped_at = time.monotonic(), time.time()
+    (stuck,) = [r for r in caplog.records if "is stuck" in r.getMessage()]
+    detected_s = stuck.created - stopped_at
+    print(f"stopped server: found stuck after {detected_s:.1f} s, back with the weights after "
+          f"{resynced[0] - stopped:.1f} s")
+    assert detected_s < 3.0 + 3.0  # the deadline and one probe interval (0.75 s here), with room for a busy CPU
+    counts = collections.Counter(s.prompt_index for g in groups for s in g)
+    assert counts == {i: 4 for i in range(len(prompts))}
+    assert len(resynced) == 1 and engine.restarts == 1 and server.alive() and server.healthy()
+    assert sum({s.weight_version for s in g} == {"resynced"} for g in groups) >= 3
+    engine.close()
 
 
 def test_a_server_given_by_url_is_waited_for_then_given_up_on(setup):

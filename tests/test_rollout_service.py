@@ -85,10 +85,11 @@ def service_config(tmp_path_factory):
     save_with_tokenizer(root / "model")
     write_rows(root / "train.jsonl", generate_rows(64, 0))
 
-    def make(**data):
+    def make(parallel=None, rollout=None, **data):
         return config_from_dict({"model": {"path": str(root / "model")},
                                  "data": {"train_path": str(root / "train.jsonl"), **data},
-                                 "rollout": {"server_urls": ["http://127.0.0.1:9"]},
+                                 "rollout": {"server_urls": ["http://127.0.0.1:9"], **(rollout or {})},
+                                 "parallel": parallel or {},
                                  "reward": {"num_workers": 1}, "train": {"output_dir": str(root / "run")}})
     return make
 
@@ -128,6 +129,45 @@ def test_a_service_that_cannot_start_or_dies_is_named_not_waited_for(service_con
         service.start_batch(0)
         service.wait()
     service.close()
+
+
+def test_a_stopped_service_process_is_named_within_the_heartbeat_timeout(service_config):
+    import os
+    import signal
+    import time
+
+    from megatron_dapo.rollout_service_process import RolloutServiceError, RolloutServiceProcess
+
+    service = RolloutServiceProcess(service_config(parallel={"heartbeat_timeout_s": 2.0}), dp_size=1)
+    try:
+        os.kill(service._proc.pid, signal.SIGSTOP)
+        service.start_eval()
+        begin = time.monotonic()
+        with pytest.raises(RolloutServiceError, match=rf"process \(pid {service._proc.pid}\) has sent nothing, not "
+                           r"even its heartbeat, for 2 s \(parallel.heartbeat_timeout_s\): it is stuck"):
+            service.wait()
+        assert time.monotonic() - begin < 2.0 + 1.0
+    finally:
+        os.kill(service._proc.pid, signal.SIGCONT)
+        service.close()
+
+
+def test_a_job_past_its_deadline_fails_the_run_naming_it(service_config):
+    """Nothing listens at the server's URL: the engine waits for it to come back (rollout.server_urls servers are
+    not ours to restart), far longer than the job may take."""
+    from megatron_dapo.rollout_service_process import RolloutServiceError, RolloutServiceProcess
+
+    cfg = service_config(rollout={"request_timeout_s": 1.0, "job_timeout_s": 3.0}, chat_template=False)
+    service = RolloutServiceProcess(cfg, dp_size=1)
+    try:
+        service.start_batch(0)
+        assert service.wait() == READY
+        with pytest.raises(RolloutServiceError, match=r"batch job did not finish within rollout.job_timeout_s = 3 s"):
+            service.take()
+        service._proc.join(60)
+        assert service._proc.exitcode == 0  # it stopped on its own
+    finally:
+        service.close()
 
 
 def test_the_service_process_stops_when_the_driver_is_gone(service_config):

@@ -9,6 +9,7 @@ trainer trains."""
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -209,3 +210,50 @@ def test_colocated_job_on_two_nodes(cluster, task, tmp_path):  # noqa: F811
                          "update_weights_from_tensor", "continue_generation"):
             assert log.count(f"POST /{endpoint} HTTP/1.1\" 200") >= 2, (i, endpoint)
     assert_no_process_left(str(tmp_path), str(task))
+
+
+def trainer_task(procid: int) -> int:
+    """The pid of the `megatron-dapo train` task with this SLURM_PROCID (its global rank)."""
+    for proc in Path("/proc").iterdir():
+        try:
+            cmdline = (proc / "cmdline").read_bytes().split(b"\0")
+            environ = (proc / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"megatron_dapo.cli" in cmdline and b"train" in cmdline and f"SLURM_PROCID={procid}".encode() in environ:
+            return int(proc.name)
+    raise AssertionError(f"no trainer task with SLURM_PROCID={procid}")
+
+
+@pytest.mark.slow
+def test_a_stopped_trainer_task_fails_the_job_naming_it_and_resubmitting_resumes(cluster, task, tmp_path):  # noqa: F811
+    """Both nodes train (colocated, one task each). The task of rank 1 is stopped after the first checkpoint:
+    rank 0's heartbeat names it (node, pid) within parallel.heartbeat_timeout_s, the train step fails, the
+    launcher stops every step; the same script again resumes from that checkpoint."""
+    out = tmp_path / "run"
+    out.mkdir()
+    settings = ("rollout.colocate=true", "rollout.weight_sync=tensor", "parallel.heartbeat_timeout_s=10")
+    job = submit(cluster, out, task, "train.steps=30", *settings)
+    marker = out / "checkpoints" / "step_000001" / "COMPLETE"
+    deadline = time.monotonic() + 900
+    while not marker.exists() and job_field(cluster, job, "JobState") not in ENDED and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert marker.exists(), job_output(out, job)
+    pid = trainer_task(1)
+    os.kill(pid, signal.SIGSTOP)
+    stopped = time.monotonic()
+    state, code = wait_job(cluster, job, out)
+    ended_s = time.monotonic() - stopped
+    text = job_output(out, job)
+    print(f"stopped trainer task: the job ended after {ended_s:.1f} s")
+    assert state == "FAILED", text
+    assert f"rank 1 (node n2, pid {pid}) has not beaten for" in text
+    assert "launch: FAILED: step 'train' on n1,n2 exited with code" in text
+    assert_no_process_left(str(tmp_path), str(task))
+
+    job = submit(cluster, out, task, "train.steps=4", *settings)
+    state, code = wait_job(cluster, job, out)
+    assert (state, code) == ("COMPLETED", "0:0"), job_output(out, job)
+    assert "resumed from" in job_output(out, job)
+    steps = [r["step"] for r in metrics(out)]
+    assert steps[-1] == 4 and (out / "checkpoints" / "step_000004" / "COMPLETE").is_file()

@@ -1,13 +1,14 @@
 """Trainer checkpoints: an exact resume in a new process at TP=2, PP=2 and DP=2, and at another layout;
-atomicity, keep-last-N, bad inputs."""
+atomicity, keep-last-N, bad inputs; a write that fails on one rank."""
 
 import dataclasses
 import json
+import time
 from types import SimpleNamespace
 
 import pytest
 import torch
-from torchrun_launch import torchrun
+from torchrun_launch import run_worker, torchrun
 
 from megatron_dapo.checkpoint.safetensors_io import CheckpointError
 from megatron_dapo.checkpoint.trainer_checkpoint import (
@@ -158,3 +159,56 @@ def test_extra_must_be_json(tmp_path):
     with pytest.raises(CheckpointError, match="extra: must be JSON-serialisable"):
         save_trainer_checkpoint(tmp_path, 1, trainer=None, extra={"sampler": torch.zeros(2)})
     assert not any(tmp_path.iterdir())
+
+
+# A write that fails on one rank, through megatron-core's collective error path or ours (ckpt_fault_worker.py).
+AGREED_FAULTS = {"rng@1": "rank 1: OSError: [Errno 28] No space left on device: '{tmp}/rng/rank_00001.pt'",
+                 "shard@1": "rank 1: RuntimeError: Worker failure: [Errno 28] No space left on device",
+                 "state@0": "rank 0: OSError: [Errno 28] No space left on device: '{tmp}/trainer_state.json'"}
+
+
+def write_failure(tmp_path, fault):
+    """Run ckpt_fault_worker.py; (its process, seconds from the fault to the run's exit)."""
+    proc = run_worker("ckpt_fault_worker.py", 2, str(tmp_path), fault, timeout=300)  # a hang fails here
+    stop_s = time.time() - float((tmp_path / "fault_time").read_text())
+    assert proc.returncode != 0, proc.stdout[-3000:]
+    return proc, stop_s
+
+
+def said(tmp_path, rank):
+    file = tmp_path / f"rank{rank}.json"
+    assert file.is_file(), f"rank {rank} raised no CheckpointWriteError"
+    return json.loads(file.read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", AGREED_FAULTS)
+def test_a_write_failing_on_one_rank_stops_every_rank_and_keeps_the_previous_checkpoint(tmp_path, fault):
+    _, stop_s = write_failure(tmp_path, fault)
+    root = tmp_path / "checkpoints"
+    tmp, previous = root / "step_000002.tmp", root / "step_000001"
+    errors = [said(tmp_path, rank) for rank in (0, 1)]
+    assert errors[0] == errors[1]  # every rank raised the same error, naming the rank that failed
+    assert errors[0]["error"].startswith(f"{tmp}: the checkpoint of step 2 could not be written: ")
+    assert AGREED_FAULTS[fault].format(tmp=tmp) in errors[0]["error"]
+    assert errors[0]["error"].endswith(f"the latest complete checkpoint is still {previous} (a rerun resumes from "
+                                       f"it). Free space in {root} (or fix the error above) and rerun")
+    assert errors[0]["latest"] == str(previous) == str(latest_checkpoint(root))
+    assert sorted(p.name for p in root.iterdir()) == ["step_000001"]  # leftover deleted, keep_last=1 pruned nothing
+    assert read_trainer_state(previous)["step"] == 1
+    assert stop_s < 60, stop_s  # measured: 2.5 s to the exit of both ranks
+
+
+@pytest.mark.slow
+def test_a_write_failing_outside_megatrons_collective_error_path_stops_the_run(tmp_path):
+    """megatron-core's coordinator writes common.pt alone, while the other ranks wait for it in the save: the
+    coordinator raises at once and exits, and the launcher (torchrun here) stops the others."""
+    proc, stop_s = write_failure(tmp_path, "common@0")
+    root = tmp_path / "checkpoints"
+    tmp = root / "step_000002.tmp"
+    error = said(tmp_path, 0)["error"]
+    assert error.startswith(f"{tmp}: the checkpoint of step 2 could not be written: rank 0: OSError: [Errno 28] No "
+                            f"space left on device: '{tmp}/model/common.pt'; the latest complete checkpoint is still "
+                            f"{root / 'step_000001'}")
+    assert latest_checkpoint(root) == root / "step_000001"  # the leftover is ignored, and deleted by the next save
+    assert stop_s < 60, stop_s  # measured: 2.4 s

@@ -4,16 +4,20 @@ a resume (the resumed step's metrics equal those of an uninterrupted run)."""
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import psutil
 import pytest
 import yaml
 
+from megatron_dapo.checkpoint.trainer_checkpoint import latest_checkpoint
 from megatron_dapo.data.held_out_split import split_held_out
 from megatron_dapo.data.prompt_encoding import encode_prompt
 from megatron_dapo.data.prompt_file import write_rows
@@ -24,6 +28,7 @@ from megatron_dapo.runtime import free_port
 
 pytestmark = pytest.mark.slow
 TIMING = ("time/", "tokens_per_s")
+FAULT_LAUNCHER = Path(__file__).parent / "distributed" / "fault_launcher.py"
 
 
 @pytest.fixture(scope="module")
@@ -63,12 +68,15 @@ def config(task: Path, out: Path, **sections) -> Path:
     return path
 
 
-def launch(cfg: Path, nproc: int, *overrides: str) -> subprocess.Popen:
+def launch(cfg: Path, nproc: int, *overrides: str, fault: dict[str, str] | None = None) -> subprocess.Popen:
+    """`megatron-dapo train`; with `fault`, through tests/distributed/fault_launcher.py, which injects the fault
+    that its DAPO_FAULT* environment variables name."""
+    entry = [str(FAULT_LAUNCHER)] if fault else ["-m", "megatron_dapo.cli"]
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}",
-           "-m", "megatron_dapo.cli", "train", str(cfg), *overrides]
+           *entry, "train", str(cfg), *overrides]
     log = open(cfg.with_suffix(".log"), "ab")
-    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                            start_new_session=True)
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", **(fault or {})}, start_new_session=True)
 
 
 def finish(proc: subprocess.Popen, cfg: Path, timeout: float = 900) -> None:
@@ -251,6 +259,10 @@ def test_sglang_async_stays_within_its_staleness_bound_and_a_kill_of_the_run_or_
         time.sleep(0.2)
     (server,) = [p for p in psutil.Process(proc.pid).children(recursive=True)
                  if "sglang.launch_server" in " ".join(p.cmdline())]
+    port = server.cmdline()[server.cmdline().index("--port") + 1]
+    with pytest.raises(urllib.error.HTTPError, match="401"):  # the run's servers require its key
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/get_model_info", timeout=30)
+    assert "--api-key" not in server.cmdline()  # added inside the process, out of `ps`
     os.killpg(server.pid, signal.SIGKILL)  # the server and its scheduler: batches of steps 5 and 6 are sampling
     finish(proc, cfg)
 
@@ -266,3 +278,119 @@ def test_sglang_async_stays_within_its_staleness_bound_and_a_kill_of_the_run_or_
     assert "is gone: restarting it" in (out / "rollout.log").read_text()  # the killed server, restarted
     state = json.loads((out / "checkpoints" / "step_000006" / "trainer_state.json").read_text())["extra"]["sampler"]
     assert state["epoch"] == 0 and state["position"] == sum(r["prompts_drawn"] for r in rows)
+
+
+def fault(kind: str, flag: Path, **settings) -> dict[str, str]:
+    """fault_launcher.py's environment: the fault `kind`, the file it signals through, DAPO_FAULT_<SETTING>s."""
+    return {"DAPO_FAULT": kind, "DAPO_FAULT_SIGNAL": str(flag),
+            **{f"DAPO_FAULT_{k.upper()}": str(v) for k, v in settings.items()}}
+
+
+def failed(proc: subprocess.Popen, cfg: Path, flag: Path) -> float:
+    """Wait for a run that must fail by its injected fault; the seconds from the fault to the run's exit."""
+    try:
+        rc = proc.wait(timeout=900)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc)
+        pytest.fail(f"the run did not stop:\n{cfg.with_suffix('.log').read_text()[-8000:]}")
+    assert flag.exists(), f"the fault did not fire:\n{cfg.with_suffix('.log').read_text()[-8000:]}"
+    stop_s = time.time() - float(flag.read_text().split()[0])
+    assert rc != 0, cfg.with_suffix(".log").read_text()[-8000:]
+    return stop_s
+
+
+def test_a_checkpoint_write_failing_on_one_rank_stops_the_run_and_the_rerun_resumes_from_the_previous_one(
+        task, tmp_path):
+    """Rank 1 of 2 runs out of disk space while writing the checkpoint of step 2: every rank stops with the error
+    (the folder, the OS error, the checkpoint still the latest); step 1's survives though keep_last is 1, and the
+    rerun resumes from it."""
+    out = tmp_path / "enospc"
+    cfg = config(task, out, rollout={"engine": "local"}, train={"steps": 2, "checkpoint_every": 1, "keep_last": 1},
+                 eval={"every": 0})
+    flag = tmp_path / "fault"
+    stop_s = failed(launch(cfg, 2, fault=fault("ckpt_enospc", flag, step=2, rank=1)), cfg, flag)
+    root = out / "checkpoints"
+    previous = root / "step_000001"
+    said = cfg.with_suffix(".log").read_text()
+    error = (f"CheckpointWriteError: {root}/step_000002.tmp: the checkpoint of step 2 could not be written: rank 1: "
+             f"OSError: [Errno 28] No space left on device: '{root}/step_000002.tmp/rng/rank_00001.pt'; the latest "
+             f"complete checkpoint is still {previous} (a rerun resumes from it). Free space in {root} (or fix the "
+             "error above) and rerun")
+    assert said.count(error) >= 2, said[-8000:]  # raised on both ranks
+    assert sorted(p.name for p in root.iterdir()) == ["step_000001"] and latest_checkpoint(root) == previous
+    assert stop_s < 120, stop_s  # measured: 1.6 s
+
+    finish(launch(cfg, 2), cfg)
+    assert f"resumed from {previous} (step 1)" in (out / "train.log").read_text()
+    assert [r["step"] for r in metrics(out)] == [1, 2]
+    assert sorted(p.name for p in root.iterdir()) == ["step_000002"]
+
+
+def test_a_run_killed_while_writing_a_checkpoint_resumes_from_the_previous_one(task, tmp_path):
+    """SIGKILL once the checkpoint of step 2 has every file but its COMPLETE marker: the leftover is ignored, and the
+    rerun resumes from step 1's."""
+    out = tmp_path / "killed"
+    cfg = config(task, out, rollout={"engine": "local"}, train={"steps": 2, "checkpoint_every": 1, "keep_last": 1},
+                 eval={"every": 0})
+    flag = tmp_path / "fault"
+    proc = launch(cfg, 1, fault=fault("ckpt_stall", flag, step=2))
+    deadline = time.monotonic() + 900
+    while not flag.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert flag.exists(), cfg.with_suffix(".log").read_text()[-8000:]
+    kill_tree(proc)
+    root = out / "checkpoints"
+    previous, leftover = root / "step_000001", root / "step_000002.tmp"
+    assert (leftover / "trainer_state.json").is_file() and not (leftover / "COMPLETE").exists()
+    assert latest_checkpoint(root) == previous
+
+    finish(launch(cfg, 1), cfg)
+    assert f"resumed from {previous} (step 1)" in (out / "train.log").read_text()
+    assert [r["step"] for r in metrics(out)] == [1, 2]
+    assert sorted(p.name for p in root.iterdir()) == ["step_000002"]  # the leftover deleted by the new save
+
+
+def test_a_checkpoint_write_that_stalls_ends_the_run_within_its_deadline_naming_the_folder(task, tmp_path):
+    """The filesystem stalls in the checkpoint of step 2 (the rank still beats): past train.checkpoint_timeout_s
+    the rank's heartbeat thread ends the run, naming what it was writing; step 1's checkpoint stays the latest."""
+    out = tmp_path / "stalled"
+    cfg = config(task, out, rollout={"engine": "local"}, eval={"every": 0},
+                 train={"steps": 2, "checkpoint_every": 1, "keep_last": 1, "checkpoint_timeout_s": 5})
+    flag = tmp_path / "fault"
+    stop_s = failed(launch(cfg, 1, fault=fault("ckpt_stall", flag, step=2)), cfg, flag)
+    root = out / "checkpoints"
+    said = cfg.with_suffix(".log").read_text()
+    assert (f"rank 0: its main thread is still writing the checkpoint of step 2 in {root} after 5 s "
+            "(train.checkpoint_timeout_s). Ending the job (exit code 75)") in said, said[-8000:]
+    assert latest_checkpoint(root) == root / "step_000001"
+    print(f"stalled checkpoint write: the run ended {stop_s:.1f} s after the stall began")
+    assert stop_s < 5 + 30
+
+
+def test_sglang_a_nan_in_the_old_logprobs_skips_the_step_keeps_the_servers_weights_and_stops_the_run(task, tmp_path):
+    """From step 2 on, one micro-batch's old log-probs are NaN: the step's single update is skipped, the step is
+    logged with its prompts, the servers keep step 1's weights (no sync: step 3's batch is sampled by version 1),
+    and the run stops after train.max_bad_steps = 2 such steps."""
+    sglang = {"engine": "sglang", "server_device": "cpu", "weight_sync": "disk", "server_startup_timeout_s": 900}
+    out = tmp_path / "nan"
+    cfg = config(task, out, rollout=sglang, train={"steps": 4, "updates_per_step": 1, "max_bad_steps": 2},
+                 eval={"every": 0})
+    flag = tmp_path / "fault"
+    stop_s = failed(launch(cfg, 1, fault=fault("nan_logprobs", flag, step=2, rank=0)), cfg, flag)
+    assert ("RuntimeError: 2 steps in a row had updates with a non-finite loss or gradient (train.max_bad_steps = 2); "
+            "the last good weights are the servers' and the latest checkpoint's") in cfg.with_suffix(".log").read_text()
+
+    rows = metrics(out)
+    assert [r["step"] for r in rows] == [1, 2]  # step 3 stopped the run
+    assert rows[0]["updates_skipped"] == 0 and rows[1]["updates_skipped"] == rows[1]["updates"] == 1
+    batches = [json.loads(line) for line in Path(f"{flag}.batches").read_text().splitlines()]
+    assert [b["step"] for b in batches] == [1, 2, 3]
+    assert [b["weight_version"] for b in batches] == [0, 1, 1]  # no sync after the skipped step 2
+    assert [r["weight_version"] for r in rows] == [0, 1]
+    train_log = (out / "train.log").read_text()
+    assert re.findall(r"weight sync (\d+):", train_log) == ["1"]
+    for b in batches[1:]:
+        assert (f"step {b['step']}: update(s) [0] of 1 skipped: the loss or a gradient was not finite (loss [nan]); "
+                "nothing was applied, the servers keep their weights; the batch's prompts (dataset rows): "
+                f"{b['prompts']}") in train_log
+    assert stop_s < 120, stop_s  # measured: 12.7 s, most of it the SGLang server's shutdown

@@ -2,9 +2,10 @@
 
 One torchrun run per layout does one optimizer step, then for every route puts the server back to the
 original weights, syncs, and samples again; the cases below read that run's record for their route.
-The distributed route is also taken across a server restart, and the tensor route in the colocated
-order (release the server's memory, resume its weights, sync from the trainer rank on its node, resume
-its caches); bucket packing and bad settings are checked without a server.
+The distributed route is also taken across a server restart and across a server killed in the middle
+of a sync, and the tensor route in the colocated order (release the server's memory, resume its weights,
+sync from the trainer rank on its node, resume its caches); bucket packing, bad settings and a failed
+push's walk are checked without a server.
 """
 
 import json
@@ -24,7 +25,7 @@ from megatron_dapo.checkpoint.hf_mapping import hf_names, hf_shape, megatron_nam
 from megatron_dapo.config import ParallelConfig  # noqa: E402
 from megatron_dapo.policy.hf_config import model_spec_from_hf  # noqa: E402
 from megatron_dapo.rollout.sglang_server import SGLangServer, SGLangServerConfig, post_json  # noqa: E402
-from megatron_dapo.weight_sync import ROUTES, buckets, make_weight_syncer  # noqa: E402
+from megatron_dapo.weight_sync import ROUTES, buckets, make_weight_syncer, server_calls  # noqa: E402
 
 LAYOUTS = {"tp2": (2, 1), "pp2": (1, 2)}
 BUCKET_MB = 0.05  # the tiny model spreads over many buckets, and its embedding is bigger than one
@@ -117,6 +118,36 @@ def test_bad_routes_and_sizes_are_refused_by_name(tmp_path):
         make_weight_syncer("disk", ["http://127.0.0.1:1"], spec, parallel, {})
 
 
+
+def test_a_failed_push_walks_on_ends_the_update_meets_the_barrier_and_raises_its_cause(monkeypatch):
+    """The other trainer ranks' gathers need rank 0 to walk every bucket, and the servers need their update
+    ended, even when a push fails; the error raised is the push's, not that of ending the update on a dead
+    server."""
+    calls, walked, pushed = [], [], []
+    dead = "http://127.0.0.1:2"
+
+    def call_all(urls, endpoint, payload, timeout_s):
+        calls.append(endpoint)
+        if endpoint == "/end_weight_update" and dead in urls:
+            raise server_calls.ServerUnreachable(f"{dead}/end_weight_update: server unreachable: refused")
+
+    def walk():
+        for i in range(1, 6):
+            walked.append(i)
+            yield buckets.Bucket([f"w{i}"], [(1,)], torch.float32, torch.zeros(4, dtype=torch.uint8), last=i == 5)
+
+    def push(bucket):
+        if bucket.names == ["w2"]:
+            raise server_calls.WeightUpdateError(f"bucket 2: {dead}/update_weights_from_distributed: refused")
+        pushed.append(bucket.names[0])
+
+    monkeypatch.setattr(server_calls, "call_all", call_all)
+    monkeypatch.setattr(server_calls.dist, "barrier", lambda: calls.append("barrier"))
+    with pytest.raises(server_calls.WeightUpdateError, match="bucket 2: .*/update_weights_from_distributed"):
+        server_calls.push_buckets(["http://127.0.0.1:1", dead], walk(), push, 1.0)
+    assert walked == [1, 2, 3, 4, 5] and pushed == ["w1"]  # walked to the end, pushed no more after the failure
+    assert calls == ["/begin_weight_update", "/end_weight_update", "barrier"]
+
 @pytest.mark.slow
 def test_colocated_release_resume_and_sync_from_the_servers_node(server, tmp_path):
     srv, root = server
@@ -165,3 +196,58 @@ def test_the_distributed_route_leaves_out_a_server_that_is_down_and_forms_its_gr
     assert r["versions_first"] == ["1"] and r["first"] > 1e-3, r  # sampled before the second change
     assert r["versions_restarted"] != ["1"] and r["restarted"] > 1e-3, r  # the restart lost the synced weights
     assert r["versions_after"] == ["2"] and r["after"] < 1e-4, r
+
+
+
+# After the restart test: the shared server is the survivor here, left with the last version synced.
+@pytest.mark.slow
+def test_a_server_killed_in_the_middle_of_a_distributed_sync_fails_it_fast_and_the_next_sync_recovers(
+        server, tmp_path):
+    """Two servers; the second, the victim, is SIGKILLed in bucket 3 of a sync, once while it waits in the
+    bucket's broadcast and once just before the bucket's call (the worker's docstring has the details)."""
+    srv, root = server
+    timeout_s = 60  # rollout.weight_sync_timeout_s: a sync that waits on it instead of failing shows as >= 60 s
+    config = SGLangServerConfig(str(root / "model"), device="cpu", dtype="float32", max_total_tokens=8192,
+                                startup_timeout_s=300)
+    points = ["broadcast", "call"]
+    failures, restart_s = [], {}
+
+    def restart_when_failed(victim):
+        for point in points:
+            try:
+                deadline = time.monotonic() + 900
+                while not (tmp_path / f"FAILED-{point}").exists() and time.monotonic() < deadline:
+                    time.sleep(0.5)
+                start = time.monotonic()
+                victim.restart()  # on the same port
+                restart_s[point] = time.monotonic() - start
+            except Exception as e:  # reported below; the worker then fails on its own
+                failures.append(e)
+            (tmp_path / f"RESTARTED-{point}").write_text(str(victim.proc.pid if victim.proc else -1))
+
+    with SGLangServer(config, tmp_path / "victim.log") as victim:
+        restarter = threading.Thread(target=restart_when_failed, args=(victim,), daemon=True)
+        restarter.start()
+        torchrun("weight_sync_kill_worker.py", 1, str(tmp_path / "out.json"), str(root / "model"), victim.url,
+                 srv.url, str(tmp_path), str(victim.proc.pid), str(timeout_s), timeout=900)
+        restarter.join()
+    assert not failures, failures
+    r = json.loads((tmp_path / "out.json").read_text())
+    for point in points:
+        p = r[point]
+        print(f"victim killed in bucket 3 ({point}): the sync failed {p['detect_s']:.2f} s after the kill "
+              f"(whole sync {p['sync_s']:.2f} s), the survivor answered in {p['survivor_answers_s']:.2f} s; "
+              f"the victim's restart took {restart_s[point]:.1f} s, then the next sync (group formed anew) "
+              f"{p['recover_s']:.2f} s")
+        error = p["error"]
+        assert error is not None and error["is_weight_update_error"], (point, p)
+        message = error["message"]
+        # Names the dead server, the bucket and what failed (its call cut off or refused, or the broadcast when
+        # that fails first), and the survivor left with part of the version.
+        assert victim.url in message and "bucket 3" in message, (point, message)
+        assert (f"{victim.url}/update_weights_from_distributed: server unreachable" in message
+                or "the broadcast to the weight-update group" in message), (point, message)
+        assert f"{srv.url} got part of version" in message, (point, message)
+        assert p["detect_s"] < 10 and p["survivor_answers_s"] < 10, (point, p)  # far from the 60 s timeout
+        for name in ("victim", "survivor"):  # recovered: both servers have the new weights
+            assert p[name]["versions_after"] == [p["version"]] and p[name]["after"] < 1e-4, (point, name, p)

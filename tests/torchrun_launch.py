@@ -12,12 +12,17 @@ from megatron_dapo.runtime import free_port
 WORKERS = Path(__file__).parent / "distributed"
 
 
-def torchrun(worker: str, nproc: int, *args: str, timeout: int = 600) -> None:
+def run_worker(worker: str, nproc: int, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    """Run the worker under torchrun, whatever its outcome."""
     script = WORKERS / worker
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}",
            str(script), *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(WORKERS), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=WORKERS)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=WORKERS)
+
+
+def torchrun(worker: str, nproc: int, *args: str, timeout: int = 600) -> None:
+    proc = run_worker(worker, nproc, *args, timeout=timeout)
     if proc.returncode != 0:
         pytest.fail(f"{worker} failed ({proc.returncode}):\n{proc.stdout[-5000:]}\n{proc.stderr[-10000:]}")

@@ -10,8 +10,12 @@ A checkpoint is one folder, ROOT/step_000123/, holding
   driver/NAME.pt       the caller's rank-0 state too large for JSON (the batch sampled for the next step)
   COMPLETE             written last
 It is written as step_000123.tmp/ and renamed when complete, so a crash leaves the earlier
-checkpoints and a leftover that `latest_checkpoint` ignores. Save and load are collective over all
-trainer ranks; rank 0 alone writes the shared files and renames.
+checkpoints and a leftover that `latest_checkpoint` ignores (the next save deletes it); older checkpoints
+are pruned only after the rename. Save and load are collective over all trainer ranks; rank 0 alone writes
+the shared files and renames. A write that fails on any rank (disk full, an I/O error) is agreed on by every
+rank before the next collective step: each raises CheckpointWriteError, the leftover is deleted, and the
+previous complete checkpoint stays the latest. (The files megatron-core's coordinator writes alone are the
+exception, _save_sharded: that rank raises at once, and the launcher stops the others.)
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_dapo.checkpoint.mcore_checkpoint import load_model, save_model, write_meta
 from megatron_dapo.checkpoint.safetensors_io import CheckpointError
@@ -42,6 +47,10 @@ MODEL_DIR, OPTIMIZER_DIR, RNG_DIR, DRIVER_DIR = "model", "optimizer", "rng", "dr
 _NAME = re.compile(r"step_(\d+)")
 # Gathers the optimizer state into model-shaped tensors: a checkpoint loads at another TP x PP x DP.
 _OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable"}
+
+
+class CheckpointWriteError(CheckpointError):
+    """A checkpoint could not be written (disk full, an I/O error); the previous complete one is still the latest."""
 
 
 def checkpoint_name(step: int) -> str:
@@ -189,21 +198,70 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _prepare(root: Path, step: int) -> str:
-    final, tmp = root / checkpoint_name(step), root / f"{checkpoint_name(step)}.tmp"
-    if (final / MARKER).is_file():
-        raise CheckpointError(f"{final}: a complete checkpoint of step {step} already exists; resume from it "
-                              "or save into another folder")
+def _write_error(root: Path, tmp: Path, step: int, errors: list[str]) -> CheckpointWriteError:
+    latest = latest_checkpoint(root)
+    still = (f"the latest complete checkpoint is still {latest} (a rerun resumes from it)" if latest is not None
+             else "there is no complete checkpoint yet (a rerun starts from the beginning)")
+    return CheckpointWriteError(f"{tmp}: the checkpoint of step {step} could not be written: {'; '.join(errors)}; "
+                                f"{still}. Free space in {root} (or fix the error above) and rerun")
+
+
+def _agree(root: Path, tmp: Path, step: int, error: str | None) -> None:
+    """Collective: every rank says how its part of a write step went (`error`, None if it went well); if any
+    failed, every rank raises the same CheckpointWriteError, rather than wait in the next collective step for
+    a rank that stopped. `error` "": failed, with the details in another rank's error."""
+    errors: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    if all(e is None for e in errors):
+        return
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # every rank is done with it: the space the partial write took is freed
+    raise _write_error(root, tmp, step, list(dict.fromkeys(e for e in errors if e)))
+
+
+def _attempt(fn, *args) -> str | None:
+    """This rank's part of a write step (for _agree): None if `fn` went well, else its error, naming the rank."""
+    try:
+        fn(*args)
+    except Exception as e:  # noqa: BLE001 - agreed on and raised on every rank by _agree
+        return f"rank {dist.get_rank()}: {type(e).__name__}: {e}"
+    return None
+
+
+def _save_sharded(save, root: Path, tmp: Path, step: int) -> None:
+    """Collective: megatron-core's dist_checkpointing `save`, its failure raised on every rank (_agree)."""
+    try:
+        save()
+    except CheckpointException as e:  # a rank's shard write failed: every rank has one, the coordinator the details
+        _agree(root, tmp, step, "; ".join(f"rank {rank}: {type(exc).__name__}: {exc}"
+                                          for rank, (exc, _) in e.failures.items()))
+    except Exception as e:
+        # Outside megatron-core's collective error path (the files the coordinator writes alone: common.pt,
+        # metadata.json, .metadata): the other ranks wait for this one inside the save, so no collective can
+        # tell them. This rank stops now; the launcher (torchrun, srun --kill-on-bad-exit) stops the others.
+        raise _write_error(root, tmp, step, [f"rank {dist.get_rank()}: {type(e).__name__}: {e}"]) from e
+    else:
+        _agree(root, tmp, step, None)
+
+
+def _prepare(root: Path, tmp: Path) -> None:
     root.mkdir(parents=True, exist_ok=True)
-    for leftover in root.glob("step_*.tmp"):  # an interrupted save's; only this run writes here
+    for leftover in root.glob("step_*.tmp"):  # an interrupted or failed save's; only this run writes here
         shutil.rmtree(leftover)
     tmp.mkdir()
     for sub in (MODEL_DIR, OPTIMIZER_DIR, RNG_DIR, DRIVER_DIR):
         (tmp / sub).mkdir()
-    return str(tmp)
 
 
-def _finish(root: Path, tmp: Path, step: int, keep_last: int | None, state: dict) -> str:
+def _write_rank_files(tmp: Path, on_gpu: bool, driver_state: dict[str, dict] | None) -> None:
+    torch.save(_rng_state(on_gpu), tmp / RNG_DIR / f"rank_{dist.get_rank():05d}.pt")
+    if dist.get_rank() == 0:
+        for name, state in (driver_state or {}).items():
+            torch.save(state, tmp / DRIVER_DIR / f"{name}.pt")
+
+
+def _finish(root: Path, tmp: Path, step: int, state: dict, meta: dict) -> None:
+    write_meta(tmp / MODEL_DIR, **meta)
     (tmp / STATE_FILE).write_text(json.dumps(state, indent=2))
     with open(tmp / MARKER, "w") as f:
         f.write(f"{step}\n")
@@ -214,9 +272,6 @@ def _finish(root: Path, tmp: Path, step: int, keep_last: int | None, state: dict
         shutil.rmtree(final)
     tmp.rename(final)
     _fsync_dir(root)
-    if keep_last:
-        prune_checkpoints(root, keep_last)
-    return str(final)
 
 
 def save_trainer_checkpoint(root, step: int, trainer, extra: dict, keep_last: int | None = None,
@@ -224,7 +279,8 @@ def save_trainer_checkpoint(root, step: int, trainer, extra: dict, keep_last: in
     """Collective: checkpoint `trainer` (model, optimizer, step counter, every rank's RNG) and `extra`
     (JSON-serialisable: data position, config snapshot, ...) as ROOT/step_{step}/; then delete all but
     the newest `keep_last` complete checkpoints (None keeps all). `driver_state` (rank 0's; name -> dict of
-    tensors, lists and numbers) is written as driver/NAME.pt (read_driver_state). Returns the folder."""
+    tensors, lists and numbers) is written as driver/NAME.pt (read_driver_state). Returns the folder.
+    A write that fails on any rank raises CheckpointWriteError on every rank, the earlier checkpoints intact."""
     if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
         raise ConfigError(f"keep_last: must be a whole number >= 1 (or None to keep every checkpoint), "
                           f"got {keep_last!r}")
@@ -233,28 +289,28 @@ def save_trainer_checkpoint(root, step: int, trainer, extra: dict, keep_last: in
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"extra: must be JSON-serialisable (plain dicts, lists, numbers, strings): {e}") from e
     root = Path(root)
-    tmp = Path(_rank0_then_share(_prepare, root, step))
-    on_gpu = trainer.parallel.device == "cuda"
-    torch.save(_rng_state(on_gpu), tmp / RNG_DIR / f"rank_{dist.get_rank():05d}.pt")
-    if dist.get_rank() == 0:
-        for name, state in (driver_state or {}).items():
-            torch.save(state, tmp / DRIVER_DIR / f"{name}.pt")
+    final, tmp = root / checkpoint_name(step), root / f"{checkpoint_name(step)}.tmp"
+    if (final / MARKER).is_file():  # every rank sees the shared folder: each raises
+        raise CheckpointError(f"{final}: a complete checkpoint of step {step} already exists; resume from it "
+                              "or save into another folder")
+    rank0 = dist.get_rank() == 0
+    _agree(root, tmp, step, _attempt(_prepare, root, tmp) if rank0 else None)
+    _agree(root, tmp, step, _attempt(_write_rank_files, tmp, trainer.parallel.device == "cuda", driver_state))
     from megatron.core import dist_checkpointing
 
-    save_model(trainer.module, tmp / MODEL_DIR)
-    dist_checkpointing.save(_optimizer_sharded_state(trainer, is_loading=False), str(tmp / OPTIMIZER_DIR))
-    dtype = next(trainer.module.parameters()).dtype
+    _save_sharded(lambda: save_model(trainer.module, tmp / MODEL_DIR), root, tmp, step)
+    _save_sharded(lambda: dist_checkpointing.save(_optimizer_sharded_state(trainer, is_loading=False),
+                                                  str(tmp / OPTIMIZER_DIR)), root, tmp, step)
     layout = _layout()
     state = {"format": FORMAT, "step": step, "trainer_step_count": trainer.step_count,
              "model": dataclasses.asdict(trainer.spec), "layout": layout, "extra": extra_json}
-    dist.barrier()  # every rank's files are in place before the marker
-
-    def finish():
-        write_meta(tmp / MODEL_DIR, tensor_parallel=layout["tensor_parallel"],
-                   pipeline_parallel=layout["pipeline_parallel"], dtype=dtype)
-        return _finish(root, tmp, step, keep_last, state)
-
-    return Path(_rank0_then_share(finish))
+    meta = {"tensor_parallel": layout["tensor_parallel"], "pipeline_parallel": layout["pipeline_parallel"],
+            "dtype": next(trainer.module.parameters()).dtype}
+    # Every rank's files are in place (agreed above) before the marker.
+    _agree(root, tmp, step, _attempt(_finish, root, tmp, step, state, meta) if rank0 else None)
+    if keep_last:  # only now: the new checkpoint is complete
+        _rank0_then_share(prune_checkpoints, root, keep_last)
+    return final
 
 
 def read_trainer_state(path) -> dict:

@@ -11,6 +11,7 @@ import sys
 import urllib.error
 import urllib.request
 
+from megatron_dapo.rollout.server_key import keyed_command
 from megatron_dapo.rollout.sglang_server import ServerProcess
 
 
@@ -27,10 +28,11 @@ class SGLangRouter(ServerProcess):
         self.health_check_interval_s = health_check_interval_s
 
     def command(self) -> list[str]:
-        return [sys.executable, "-m", "sglang_router.launch_router", "--host", self.host, "--port", str(self.port),
-                "--worker-urls", *self.worker_urls, "--policy", self.policy,
-                "--health-check-interval-secs", str(self.health_check_interval_s),
-                "--worker-startup-timeout-secs", str(int(self.startup_timeout_s))]
+        # With the run's key (its --api-key), for the workers, which require it.
+        return keyed_command(sys.executable, "sglang_router.launch_router", [
+            "--host", self.host, "--port", str(self.port), "--worker-urls", *self.worker_urls, "--policy", self.policy,
+            "--health-check-interval-secs", str(self.health_check_interval_s),
+            "--worker-startup-timeout-secs", str(int(self.startup_timeout_s))])
 
     def healthy(self, timeout: float = 5.0) -> bool:
         """Ready: up, with its workers registered and healthy (its /health answers before it has any)."""

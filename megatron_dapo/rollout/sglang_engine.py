@@ -18,12 +18,18 @@ is, the failure was transient: wait (exponential backoff) and try again. If not,
 trainer's latest weights back into it, and the failed groups go again. Both are bounded: a group is
 tried `max_attempts` times, a server restarted `max_server_restarts` times in a row. Recovery blocks (a
 restart takes minutes), so it runs on worker threads, off the event loop.
+
+A server can also stop without dying (stopped, swapped out, its machine hung): its calls would wait out the
+request timeout, which must outlast the longest response. So while a server has calls in flight the engine
+asks its /health every few seconds; one that has not answered within `health_timeout_s` is stuck: its calls
+fail at once and it is treated as dead (restarted, or waited for).
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
 import logging
 import queue
@@ -38,6 +44,7 @@ import orjson
 
 from megatron_dapo.rollout.engine import Sample, SamplingParams, sample_seed
 from megatron_dapo.rollout.router import SGLangRouter
+from megatron_dapo.rollout.server_key import auth_headers
 from megatron_dapo.rollout.sglang_server import ServerError, SGLangServer, SGLangServerConfig, health_ok, wait_until
 
 log = logging.getLogger(__name__)
@@ -51,6 +58,10 @@ class RolloutError(RuntimeError):
     """A group could not be sampled (the server refused it, or every try failed)."""
 
 
+class ServerStuck(RuntimeError):
+    """The call's server stopped answering /health (the engine's watchdog): it counts as dead."""
+
+
 class HTTPStatusError(RuntimeError):
     """The server answered with an error status."""
 
@@ -59,8 +70,8 @@ class HTTPStatusError(RuntimeError):
         self.code, self.body = code, body
 
 
-# What a failed call raises short of an error status: refused, reset, cut short, timed out.
-TRANSIENT = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
+# What a failed call raises short of an error status: refused, reset, cut short, timed out, its server stuck.
+TRANSIENT = (aiohttp.ClientError, asyncio.TimeoutError, OSError, ServerStuck)
 
 
 class _Server:
@@ -74,6 +85,15 @@ class _Server:
         self.generation = 0
         self.in_flight = 0  # calls sent to it and not yet answered (the event loop's count)
         self.restarts_in_a_row = 0
+        self.stuck_generation = -1  # the generation the watchdog found stuck
+        self._stuck: asyncio.Future | None = None  # event loop: done once this generation is found stuck
+        self._stuck_for = -1
+
+    def stuck(self) -> asyncio.Future:
+        """Event loop: a future done once the watchdog finds the current generation stuck."""
+        if self._stuck_for != self.generation:
+            self._stuck, self._stuck_for = asyncio.get_running_loop().create_future(), self.generation
+        return self._stuck
 
 
 class SGLangEngine:
@@ -84,7 +104,7 @@ class SGLangEngine:
 
     def __init__(self, servers: str | SGLangServer | Sequence[str | SGLangServer], *, max_in_flight: int = 32,
                  request_timeout_s: float = 600.0, max_attempts: int = 4, retry_backoff_s: float = 1.0,
-                 max_server_restarts: int = 3, reattach_timeout_s: float = 600.0,
+                 max_server_restarts: int = 3, reattach_timeout_s: float = 600.0, health_timeout_s: float = 60.0,
                  on_server_restart: Callable[[str], None] | None = None, router: SGLangRouter | None = None):
         if isinstance(servers, (str, SGLangServer)):
             servers = [servers]
@@ -103,7 +123,7 @@ class SGLangEngine:
             if not isinstance(value, int) or value < low:
                 raise ValueError(f"SGLangEngine({name}={value!r}): must be a whole number >= {low}")
         for name, value in [("request_timeout_s", request_timeout_s), ("retry_backoff_s", retry_backoff_s),
-                            ("reattach_timeout_s", reattach_timeout_s)]:
+                            ("reattach_timeout_s", reattach_timeout_s), ("health_timeout_s", health_timeout_s)]:
             if not value > 0:
                 raise ValueError(f"SGLangEngine({name}={value!r}): must be > 0")
         self.router = router
@@ -113,6 +133,7 @@ class SGLangEngine:
         self.retry_backoff_s = retry_backoff_s
         self.max_server_restarts = max_server_restarts
         self.reattach_timeout_s = reattach_timeout_s
+        self.health_timeout_s = health_timeout_s
         self.on_server_restart = on_server_restart
         self.restarts = 0  # servers restarted or re-attached over the engine's life
         self._router_lock = threading.Lock()
@@ -122,6 +143,7 @@ class SGLangEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._session: aiohttp.ClientSession | None = None
         self._slots: asyncio.Semaphore | None = None  # max_in_flight calls at once, over all streams
+        self._watcher: asyncio.Task | None = None  # event loop: the stuck-server watchdog (_watch)
 
     @classmethod
     def launch(cls, configs: Sequence[SGLangServerConfig], log_dir, *, use_router: bool | None = None,
@@ -158,8 +180,7 @@ class SGLangEngine:
         with self._loop_lock:
             loop, session, self._loop, self._session, self._slots = self._loop, self._session, None, None, None
         if loop is not None:
-            if session is not None:
-                asyncio.run_coroutine_threadsafe(session.close(), loop).result(timeout=30)
+            asyncio.run_coroutine_threadsafe(self._quit(session), loop).result(timeout=30)
             loop.call_soon_threadsafe(loop.stop)
         for p in reversed(self._launched):
             p.stop()
@@ -175,12 +196,14 @@ class SGLangEngine:
                 self._loop.set_default_executor(concurrent.futures.ThreadPoolExecutor(
                     max_workers=self.max_in_flight, thread_name_prefix="sglang-recover"))
                 threading.Thread(target=self._loop.run_forever, name="sglang-engine", daemon=True).start()
+                self._loop.call_soon_threadsafe(self._start_watch)
             return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
     def _http(self) -> tuple[aiohttp.ClientSession, asyncio.Semaphore]:
         """Event loop: the keep-alive session and the in-flight slots, made on first use."""
         if self._session is None:
-            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))  # the slots bound it
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),  # the slots bound it
+                                                  headers=auth_headers())
             self._slots = asyncio.Semaphore(self.max_in_flight)
         return self._session, self._slots
 
@@ -192,6 +215,54 @@ class SGLangEngine:
             raise HTTPStatusError(resp.status, body.decode(errors="replace")[:1000])
         # orjson: a long response's answer is a few hundred kB of per-token log-probs; 1.7x the stdlib's speed.
         return orjson.loads(body) if body.strip() else None
+
+    async def _quit(self, session: aiohttp.ClientSession | None) -> None:
+        """Event loop, at close: end the watchdog and the session."""
+        self._watcher.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._watcher
+        if session is not None:
+            await session.close()
+
+    def _start_watch(self) -> None:
+        self._watcher = asyncio.get_running_loop().create_task(self._watch())
+
+    async def _watch(self) -> None:
+        """Event loop, for the engine's life: every few seconds, ask /health of each server with calls in flight
+        (and not being restarted); one that does not answer within health_timeout_s is stuck."""
+        interval = min(max(self.health_timeout_s / 4, 0.5), 15.0)
+        while True:
+            await asyncio.sleep(interval)
+            await asyncio.gather(*(self._probe(s) for s in self.servers if s.in_flight and not s.lock.locked()))
+
+    async def _probe(self, server: _Server) -> None:
+        generation = server.generation
+        try:
+            async with self._http()[0].get(f"{server.url}/health",
+                                           timeout=aiohttp.ClientTimeout(total=self.health_timeout_s)) as resp:
+                if resp.status == 200:
+                    return
+                reason = f"/health answered {resp.status}"
+        except TRANSIENT as e:
+            reason = f"/health did not answer within health_timeout_s={self.health_timeout_s:g} s ({e!r})"
+        if server.generation == generation and not server.lock.locked() and server.in_flight:
+            log.warning("SGLang server %s is stuck: %s; its %d call(s) in flight fail now", server.url, reason,
+                        server.in_flight)
+            server.stuck_generation = generation
+            if not server.stuck().done():
+                server.stuck().set_result(reason)
+
+    async def _call_on(self, server: _Server, call: Coroutine):
+        """Event loop: the call's answer; ServerStuck as soon as the watchdog finds its server stuck."""
+        task, stuck = asyncio.ensure_future(call), server.stuck()
+        try:
+            await asyncio.wait({task, stuck}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not task.done():
+                task.cancel()
+        if task.done() and not task.cancelled():
+            return task.result()
+        raise ServerStuck(f"SGLang server {server.url}: {stuck.result()}")
 
     def __enter__(self) -> SGLangEngine:
         return self
@@ -248,13 +319,11 @@ class SGLangEngine:
             pass  # a server that is gone has nothing left to abort
 
     def _server_alive(self, server: _Server) -> bool:
+        if server.stuck_generation == server.generation:
+            return False
         if server.process is not None and not server.process.alive():
             return False
-        for _ in range(3):  # a busy server can be slow to answer /health: ask a few times
-            if health_ok(server.url, timeout=20.0):
-                return True
-            time.sleep(2.0)
-        return False
+        return health_ok(server.url, timeout=self.health_timeout_s)
 
     def _heal(self, failed: list[_Server], generations: list[int]) -> bool:
         """After a failed call: restart / re-attach each of `failed` that is gone (unless another thread has
@@ -411,7 +480,8 @@ class SGLangGroupStream:
                         if self._dropped(index):
                             return None
                         self._in_flight[index] = (server, rids)
-                    out = await engine._post_group(server, index, self.prompts[index], self.n, self.params, rid)
+                    out = await engine._call_on(server, engine._post_group(server, index, self.prompts[index], self.n,
+                                                                           self.params, rid))
                     error = None
                 except HTTPStatusError as e:
                     out, error = None, e

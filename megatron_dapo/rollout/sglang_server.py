@@ -2,7 +2,8 @@
 
 On the CPU it gets the flags SGLang's CPU path needs and the sgl_kernel stand-in on its PYTHONPATH;
 on GPUs it runs stock. It binds to 127.0.0.1 unless told otherwise, writes its log to a file, and
-runs in its own process group so stopping it stops everything it started.
+runs in its own process group so stopping it stops everything it started. It requires the run's API key
+(server_key.py) on every call but /health.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from megatron_dapo.rollout.server_key import auth_headers, keyed_command
 from megatron_dapo.runtime import free_port
 
 CPU_SHIM = Path(__file__).parent / "cpu_shim"
@@ -64,7 +66,8 @@ def wait_until(check: Callable[[], bool], timeout_s: float, poll_s: float = 1.0)
 
 def post_json(url: str, payload: dict, timeout: float) -> dict | list | None:
     """POST `payload` as JSON; the JSON answer, or None when the answer is empty (e.g. /abort_request)."""
-    req = urllib.request.Request(url, data=json.dumps(payload).encode(), headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(url, data=json.dumps(payload).encode(),
+                                 headers={"Content-Type": "application/json", **auth_headers()})
     with urllib.request.urlopen(req, timeout=timeout) as resp:
         body = resp.read()
     return json.loads(body) if body.strip() else None
@@ -94,7 +97,8 @@ class ServerProcess:
 
     def start(self):
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = self.log_path.open("ab")
+        # The log may show the server's settings, its key among them: the run's user alone reads it.
+        log = os.fdopen(os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab")
         self.proc = subprocess.Popen(self.command(), env=self.environment(), stdout=log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, start_new_session=True)
         log.close()
@@ -136,6 +140,7 @@ class ServerProcess:
         group = self.proc.pid  # its own session: the group holds every process it started
         try:
             os.killpg(group, signal.SIGTERM)
+            os.killpg(group, signal.SIGCONT)  # a stopped (stuck) server takes its SIGTERM once it runs again
             self.proc.wait(timeout=grace_s)
         except ProcessLookupError:
             pass
@@ -164,15 +169,12 @@ class SGLangServer(ServerProcess):
 
     def command(self) -> list[str]:
         c = self.config
-        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", c.model_path, "--host", self.host,
-               "--port", str(self.port), "--tp-size", str(c.tensor_parallel), "--dtype", c.dtype]
+        args = ["--model-path", c.model_path, "--host", self.host, "--port", str(self.port), "--tp-size",
+                str(c.tensor_parallel), "--dtype", c.dtype]
         if c.max_total_tokens:
-            cmd += ["--max-total-tokens", str(c.max_total_tokens)]
-        if c.device == "cpu":
-            cmd += CPU_FLAGS
-        else:
-            cmd += ["--base-gpu-id", str(c.base_gpu_id)]
-        return cmd + list(c.extra_args)
+            args += ["--max-total-tokens", str(c.max_total_tokens)]
+        args += CPU_FLAGS if c.device == "cpu" else ["--base-gpu-id", str(c.base_gpu_id)]
+        return keyed_command(sys.executable, "sglang.launch_server", args + list(c.extra_args))
 
     def environment(self) -> dict[str, str]:
         env = dict(os.environ)

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_dapo.config import ConfigError
+from megatron_dapo.rollout.server_key import ensure_server_key
 from megatron_dapo.rollout.sglang_server import health_ok
 from megatron_dapo.run_config import load_config
 from megatron_dapo.runtime import free_port
@@ -138,6 +139,7 @@ def run(args) -> None:
     job_dir = Path(cfg.train.output_dir).resolve() / "slurm" / f"job-{os.environ.get('SLURM_JOB_ID', 'local')}"
     job_dir.mkdir(parents=True, exist_ok=True)
     config = str(Path(args.config).resolve())
+    ensure_server_key()  # one for the job: its servers require it, its trainers send it (their environment)
     env = dict(os.environ)
     py = sys.executable
     steps: list[Step] = []

@@ -1,9 +1,10 @@
 """One SGLang server for a run, in the foreground: `python -m megatron_dapo.slurm.serve CONFIG URL_FILE`.
 
-Started by the launcher as an `srun` step on a rollout node. It serves the run's model with the
-run's `rollout:` settings (the CPU flags and shim included), on a free port of its node, writes its
-URL to URL_FILE (on the shared filesystem) once it answers /health, and lives as long as the server:
-it exits non-zero when the server dies, and stops the server when SLURM stops the step (SIGTERM).
+Started by the launcher as an `srun` step on a rollout node. It serves the run's model with the run's
+`rollout:` settings (the CPU flags and shim included) and the job's API key (server_key.py), on a free port of
+the node's address, writes its URL to URL_FILE (on the shared filesystem) once it answers /health, and lives
+as long as the server: it exits non-zero when the server dies, and stops the server when SLURM stops the step
+(SIGTERM).
 """
 
 from __future__ import annotations
@@ -35,8 +36,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"serve: bad config: {e}", file=sys.stderr)
         return 2
-    port = free_port("0.0.0.0")
-    server = SGLangServer(server_config(cfg.rollout, cfg.model.path, host="0.0.0.0", port=port,
+    # Bound to the address the other nodes reach it on (SLURM's NodeAddr), not to every interface of the node.
+    port = free_port(args.advertise)
+    server = SGLangServer(server_config(cfg.rollout, cfg.model.path, host=args.advertise, port=port,
                                         base_gpu_id=args.base_gpu_id), args.log)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds through the finally below
     try:

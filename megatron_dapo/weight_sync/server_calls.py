@@ -13,6 +13,7 @@ from contextlib import contextmanager
 
 import torch.distributed as dist
 
+from megatron_dapo.rollout.server_key import auth_headers
 from megatron_dapo.rollout.sglang_server import post_json
 from megatron_dapo.weight_sync.buckets import Bucket
 from megatron_dapo.weight_sync.metrics import SyncMetrics
@@ -87,7 +88,7 @@ def server_info(url: str, timeout_s: float = 30.0) -> dict:
     """The server's `/server_info`: its launch settings (`tp_size`) and `startup_time` among them."""
     target = f"{url.rstrip('/')}/server_info"
     try:
-        with urllib.request.urlopen(target, timeout=timeout_s) as resp:
+        with urllib.request.urlopen(urllib.request.Request(target, headers=auth_headers()), timeout=timeout_s) as resp:
             info = json.loads(resp.read())
     except (urllib.error.URLError, ConnectionError, TimeoutError, OSError, ValueError) as e:
         raise WeightUpdateError(f"{target}: cannot read the server's info: {e}") from None
@@ -106,15 +107,32 @@ def push_buckets(urls: list[str], buckets: Iterable[Bucket], push: Callable[[Buc
                  timeout_s: float) -> SyncMetrics | None:
     """Collective over the trainer's ranks: every rank walks `buckets`; a rank given the `urls` of the
     servers it feeds (an empty list elsewhere) `push`es each bucket between their /begin_weight_update and
-    /end_weight_update. The metrics where there were servers to push to, None elsewhere."""
+    /end_weight_update. The metrics where there were servers to push to, None elsewhere.
+    A failed call ends the pushing, not the walk: the other ranks' gathers need this one, so it walks on
+    without pushing, ends the update on the servers, meets them at the barrier, and then raises the first
+    failure (a failure to end the update after it is logged: it must not hide the cause)."""
     start = time.perf_counter()
     nbytes = 0
-    call_all(urls, "/begin_weight_update", {}, timeout_s)
+    failure: WeightUpdateError | None = None
     try:
-        for bucket in buckets:
-            push(bucket)
-            nbytes += bucket.nbytes
-    finally:
+        call_all(urls, "/begin_weight_update", {}, timeout_s)
+    except WeightUpdateError as e:
+        failure = e
+    for bucket in buckets:
+        if failure is None:
+            try:
+                push(bucket)
+                nbytes += bucket.nbytes
+            except WeightUpdateError as e:
+                failure = e
+    try:
         call_all(urls, "/end_weight_update", {}, timeout_s)
+    except WeightUpdateError as e:
+        if failure is None:
+            failure = e
+        else:
+            log.warning("weight push: ending the update after the failure (%s): %s", failure, e)
     dist.barrier()
+    if failure is not None:
+        raise failure
     return SyncMetrics(nbytes, time.perf_counter() - start) if urls else None

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import torch
+from weight_sync_worker import parity, sample, versions
 
 from megatron_dapo.checkpoint.hf_weights import load_hf_weights
 from megatron_dapo.checkpoint.safetensors_io import HFCheckpoint
@@ -22,7 +23,6 @@ from megatron_dapo.policy.hf_config import model_spec_from_hf
 from megatron_dapo.policy.train_step import LossConfig, OptimConfig, PolicyTrainer
 from megatron_dapo.runtime import init_runtime, shutdown_runtime
 from megatron_dapo.weight_sync import make_weight_syncer
-from weight_sync_worker import parity, sample, versions
 
 
 def perturb(module, seed):
@@ -39,14 +39,20 @@ def wait_for(flag: Path) -> None:
         time.sleep(0.5)
 
 
-def main(out_json, model_dir, url, flag_dir):
-    parallel = ParallelConfig(device="cpu", seed=3)
+def policy(model_dir, parallel: ParallelConfig):
+    """The runtime up, and a policy holding the model's weights: (trainer, spec, its HF config, the runtime)."""
     runtime = init_runtime(parallel)
     ckpt = HFCheckpoint(model_dir)
     spec = model_spec_from_hf(ckpt.config)
     trainer = PolicyTrainer(spec, parallel, runtime.device, OptimConfig(warmup_steps=0), LossConfig(), 512)
     load_hf_weights(trainer.module, ckpt.get, spec, parallel)
-    syncer = make_weight_syncer("distributed", [url], spec, parallel, ckpt.config, bucket_mb=0.05)
+    return trainer, spec, ckpt.config, runtime
+
+
+def main(out_json, model_dir, url, flag_dir):
+    parallel = ParallelConfig(device="cpu", seed=3)
+    trainer, spec, hf_config, runtime = policy(model_dir, parallel)
+    syncer = make_weight_syncer("distributed", [url], spec, parallel, hf_config, bucket_mb=0.05)
     perturb(trainer.module, 1)
     syncer.sync(trainer.module, "1")
     first = sample(url)

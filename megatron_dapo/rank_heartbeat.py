@@ -1,0 +1,146 @@
+"""Every trainer rank beats; a rank that stops is named, and the job ends.
+
+A rank can stop without dying (SIGSTOP, a hung driver call, a node that stalls): the others then wait in their
+next collective until its timeout (parallel.distributed_timeout_minutes, 30 by default), and the error names
+nobody. So each rank runs a thread that writes its beat into the job's key-value store (the rendezvous's, over
+a connection of its own, each call bounded from outside: the store's own timeout does not bound a read from a
+host that stopped) every few seconds: a counter, its node, its pid and what its main
+thread is doing. Each rank reads the others' beats; one whose beat has not moved for
+parallel.heartbeat_timeout_s is stuck, and the rank that sees it logs it (rank, node, pid, what it was doing)
+and exits with STUCK_EXIT_CODE, which makes the launcher (torchrun, srun) stop every other rank; the driver's
+rollout service then stops its servers. A store that does not answer for that long is stuck itself (it lives in
+rank 0, or in torchrun's agent), and is named the same way. A rank that ends (done or failed) says so first,
+so that the others do not take it for stuck.
+
+A rank blocked in I/O (a checkpoint write on a filesystem that stalls) still beats. So what the main thread
+does may carry a deadline of its own (`set_doing(..., within_s=, key=)`), which the rank's heartbeat thread
+holds it to, in a job of one rank too: past it, the rank ends the job naming what it was doing and the key.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from datetime import timedelta
+
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+STUCK_EXIT_CODE = 75
+PREFIX = "megatron_dapo/heartbeat/"
+EXITED = "exited"
+
+
+class StoreStuck(RuntimeError):
+    """A call to the job's key-value store failed, or did not return in time."""
+
+
+class RankHeartbeat:
+    """`store_address` None (a job of one rank): no beats, only the main thread's deadlines."""
+
+    def __init__(self, rank: int, world_size: int, node: str, store_address: str | None, store_port: int,
+                 timeout_s: float):
+        self.rank, self.world_size, self.node, self.timeout_s = rank, world_size, node, timeout_s
+        self.where = f"{store_address}:{store_port}"
+        self.interval_s = min(max(timeout_s / 5, 0.2), 10.0)
+        self.doing = "starting"  # what the main thread does (set_doing); sent with each beat
+        self._deadline: tuple[float, float, str] | None = None  # (monotonic time, seconds, key) of `doing`
+        self._store = None if store_address is None else dist.TCPStore(
+            store_address, store_port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
+        self._stop = threading.Event()
+        self._beats = 0
+        if self._store is not None:
+            self._beat()
+        self._thread = threading.Thread(target=self._run, name="rank-heartbeat", daemon=True)
+        self._thread.start()
+
+    def set_doing(self, what: str, within_s: float | None = None, key: str | None = None) -> None:
+        """Main thread: what it does from now on; `within_s`: it must be done within that (the config `key`)."""
+        self._deadline = None if within_s is None else (time.monotonic() + within_s, within_s, key)
+        self.doing = what
+
+    def _key(self, rank: int) -> str:
+        return f"{PREFIX}{rank}"
+
+    def _call(self, fn, *args):
+        """A store call, or StoreStuck when it failed or has not returned within the timeout. It runs on a daemon
+        thread of its own: one that never returns must not hold up the process's exit."""
+        outcome = []
+
+        def call():
+            try:
+                outcome.append((True, fn(*args)))
+            except dist.DistError as e:
+                outcome.append((False, e))
+
+        thread = threading.Thread(target=call, name="rank-heartbeat-store", daemon=True)
+        thread.start()
+        thread.join(self.timeout_s)
+        if not outcome:
+            raise StoreStuck(f"no answer in {self.timeout_s:g} s")
+        ok, value = outcome[0]
+        if not ok:
+            raise StoreStuck(str(value))
+        return value
+
+    def _beat(self, state: str | None = None) -> None:
+        self._beats += 1
+        self._call(self._store.set, self._key(self.rank),
+                   f"{self._beats}|{self.node}|{os.getpid()}|{state or self.doing}")
+
+    def _run(self) -> None:
+        others = [r for r in range(self.world_size) if r != self.rank]
+        keys = [self._key(r) for r in others]
+        last: dict[int, str] = {}
+        moved = {r: time.monotonic() for r in others}  # when each beat last changed
+        try:
+            while not self._stop.wait(self.interval_s):
+                self._check_deadline()
+                if self._store is None:
+                    continue
+                self._beat()
+                if not self._call(self._store.check, keys):  # not every rank beats yet (still starting)
+                    continue
+                now = time.monotonic()
+                for rank, value in zip(others, self._call(self._store.multi_get, keys)):
+                    value = value.decode()
+                    if value != last.get(rank):
+                        last[rank], moved[rank] = value, now
+                    elif not value.endswith(f"|{EXITED}") and now - moved[rank] > self.timeout_s:
+                        _, node, pid, doing = value.split("|", 3)
+                        self._end(f"rank {rank} (node {node}, pid {pid}) has not beaten for {now - moved[rank]:.0f} s "
+                                  f"(parallel.heartbeat_timeout_s = {self.timeout_s:g}); it is stuck while doing: "
+                                  f"{doing}")
+        except StoreStuck as e:
+            if not self._stop.is_set():
+                self._end(f"the job's key-value store at {self.where} (in rank 0, or in torchrun's agent) stopped "
+                          f"answering (within parallel.heartbeat_timeout_s = {self.timeout_s:g} s): its host is stuck "
+                          f"or gone: {e}")
+
+    def _check_deadline(self) -> None:
+        deadline, doing = self._deadline, self.doing
+        if deadline is not None and time.monotonic() > deadline[0]:
+            self._end(f"its main thread is still {doing} after {deadline[1]:g} s ({deadline[2]})")
+
+    def _end(self, reason: str) -> None:
+        """End this rank, and so the job, from the heartbeat thread: the main thread may be blocked in a
+        collective with the stuck rank, where nothing can reach it."""
+        message = f"rank {self.rank}: {reason}. Ending the job (exit code {STUCK_EXIT_CODE}); it resumes from its " \
+                  "latest checkpoint"
+        log.error(message)
+        logging.shutdown()  # flushed: os._exit skips it
+        os._exit(STUCK_EXIT_CODE)
+
+    def close(self) -> None:
+        """This rank is ending (done or failed): say so, so that the others do not take it for stuck."""
+        self._stop.set()
+        self._thread.join()
+        if self._store is None:
+            return
+        try:
+            self._beat(EXITED)
+        except StoreStuck:
+            pass  # the store is gone already: the job is ending

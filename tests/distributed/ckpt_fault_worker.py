@@ -1,0 +1,101 @@
+"""torchrun worker (2 ranks, TP=2): a checkpoint write that fails on one rank.
+
+argv: OUT_DIR FAULT, FAULT being WHAT@RANK: the write that raises OSError(ENOSPC) on that rank while the
+checkpoint of step 2 is written (the one of step 1 was written whole):
+  rng     this rank's RNG file (torch.save, ours)
+  shard   a model shard (megatron-core's shard writer, in the process it forks)
+  state   trainer_state.json (rank 0 alone writes it, right before the COMPLETE marker)
+  common  megatron-core's common.pt (its coordinator alone writes it, outside its collective error path)
+The injected fault writes time.time() to OUT_DIR/fault_time. Each rank that gets a CheckpointWriteError
+writes OUT_DIR/rank{r}.json (the error, and the latest checkpoint it sees) and re-raises it, as the trainer
+does: the run exits non-zero.
+"""
+
+import errno
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from tiny_models import hf_model
+from train_worker import batch
+
+from megatron_dapo.checkpoint.hf_weights import load_hf_weights
+from megatron_dapo.checkpoint.trainer_checkpoint import (
+    STATE_FILE,
+    CheckpointWriteError,
+    latest_checkpoint,
+    save_trainer_checkpoint,
+)
+from megatron_dapo.config import ParallelConfig
+from megatron_dapo.policy.hf_config import model_spec_from_hf
+from megatron_dapo.policy.train_step import LossConfig, OptimConfig, PolicyTrainer
+from megatron_dapo.runtime import init_runtime, shutdown_runtime
+
+
+def disk_full(out_dir: str, path) -> OSError:
+    Path(out_dir, "fault_time").write_text(repr(time.time()))
+    return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+
+def inject(out_dir: str, what: str) -> None:
+    """Make this rank's `what` write of the step-2 checkpoint fail."""
+    if what in ("rng", "common"):
+        save = torch.save
+        name = {"rng": f"rank_{dist.get_rank():05d}.pt", "common": "common.pt"}[what]
+
+        def failing_save(obj, f, *args, **kwargs):
+            if isinstance(f, (str, os.PathLike)) and Path(f).name == name:  # not into a buffer
+                raise disk_full(out_dir, f)
+            return save(obj, f, *args, **kwargs)
+
+        torch.save = failing_save
+    elif what == "shard":
+        from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+        def failing_write(*args, **kwargs):
+            raise disk_full(out_dir, "a model shard")
+
+        filesystem_async._write_item = failing_write  # the forked writer processes inherit it
+    elif what == "state":
+        write_text = Path.write_text
+
+        def failing_write_text(self, *args, **kwargs):
+            if self.name == STATE_FILE:
+                raise disk_full(out_dir, self)
+            return write_text(self, *args, **kwargs)
+
+        Path.write_text = failing_write_text
+    else:
+        raise ValueError(what)
+
+
+def main(out_dir: str, fault: str) -> None:
+    what, rank = fault.split("@")
+    hf, cfg = hf_model("qwen2")
+    spec = model_spec_from_hf(cfg)
+    parallel = ParallelConfig(tensor_parallel=2, device="cpu", seed=7)
+    runtime = init_runtime(parallel)
+    trainer = PolicyTrainer(spec, parallel, runtime.device, OptimConfig(lr=1e-3), LossConfig(), 200)
+    load_hf_weights(trainer.module, hf.state_dict().__getitem__, spec, parallel)
+    root = Path(out_dir, "checkpoints")
+    samples = batch(hf)
+    trainer.step(samples)
+    save_trainer_checkpoint(root, 1, trainer, {}, keep_last=1)
+    trainer.step(samples)
+    if dist.get_rank() == int(rank):
+        inject(out_dir, what)
+    try:
+        save_trainer_checkpoint(root, 2, trainer, {}, keep_last=1)
+    except CheckpointWriteError as e:
+        record = {"error": str(e), "latest": str(latest_checkpoint(root))}
+        Path(out_dir, f"rank{dist.get_rank()}.json").write_text(json.dumps(record))
+        raise
+    shutdown_runtime()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

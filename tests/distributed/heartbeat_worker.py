@@ -1,0 +1,33 @@
+"""One rank of a 2-rank gloo job with heartbeats (timeout 2 s): `python heartbeat_worker.py SCENARIO [RANK]`.
+
+stop R: rank R stops itself (SIGSTOP) after the first barrier; the other waits in the second barrier.
+finish: both end normally, rank 1 first (rank 0 outlives its last beat by three timeouts).
+"""
+
+import os
+import signal
+import sys
+import time
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from megatron_dapo.rank_heartbeat import RankHeartbeat
+
+scenario = sys.argv[1]
+rank, world, port = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["MASTER_PORT"])
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                        timeout=timedelta(seconds=300))
+heartbeat = RankHeartbeat(rank, world, "node-a", "127.0.0.1", port, 2.0)
+heartbeat.set_doing(f"scenario {scenario}")
+dist.barrier()
+if scenario == "finish":
+    if rank == 0:
+        time.sleep(6.0)
+    heartbeat.close()
+    print(f"rank {rank} done", flush=True)
+    sys.exit(0)
+if rank == int(sys.argv[2]):
+    time.sleep(1.0)  # beats that say what it does
+    os.kill(os.getpid(), signal.SIGSTOP)
+dist.barrier()  # waits on the stopped rank: only the heartbeat can end this
