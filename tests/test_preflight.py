@@ -78,7 +78,8 @@ def test_a_model_path_without_config_json_or_shipped_architecture_is_refused(tmp
 
 
 def test_memory_over_the_gpu_is_a_warning_and_colocated_parts_add_up():
-    cfg = load_config(CONFIGS / "qwen2.5-7b-dapo-colocated.yaml", ["rollout.request_timeout_s=90000"])
+    cfg = load_config(CONFIGS / "qwen2.5-7b-dapo-colocated.yaml",
+                      ["rollout.request_timeout_s=90000", "rollout.job_timeout_s=90000"])
     report = preflight(cfg, Hardware(gpu_memory_gb=60))  # a smaller KV cache: a longer worst-case rollout
     assert "warning: colocated: trainer + server needs about" in report.text
     report.raise_first_failure()  # a warning only
