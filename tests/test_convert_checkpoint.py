@@ -151,14 +151,19 @@ def test_truncated_safetensors(source, tmp_path):
     assert _nothing_written(tmp_path / "out")
 
 
-def test_unknown_tensor_name(source, tmp_path):
+def _with_unknown_tensor(src, dst):
     from safetensors.torch import save_file
 
-    bad = _copy(source[0], tmp_path / "bad")
+    bad = _copy(src, dst)
     save_file({"model.layers.9.self_attn.q_proj.weight": torch.zeros(64, 64)}, str(bad / "x.safetensors"))
     index = json.loads((bad / "model.safetensors.index.json").read_text())
     index["weight_map"]["model.layers.9.self_attn.q_proj.weight"] = "x.safetensors"
     (bad / "model.safetensors.index.json").write_text(json.dumps(index))
+    return bad
+
+
+def test_unknown_tensor_name(source, tmp_path):
+    bad = _with_unknown_tensor(source[0], tmp_path / "bad")
     with pytest.raises(MappingError, match="model.layers.9.self_attn.q_proj.weight"):
         hf_to_mcore(bad, tmp_path / "out", tp=1, pp=1)
     assert _nothing_written(tmp_path / "out")
@@ -255,3 +260,109 @@ def test_conversion_streams_about_one_layer(tmp_path):
     assert to_hf < 112, (to_hf, model_mb)
     src, back = HFCheckpoint(tmp_path / "hf"), HFCheckpoint(tmp_path / "back")
     assert all(torch.equal(back.get(n), src.get(n)) for n in src.names())
+
+
+@pytest.fixture
+def run_dir(tmp_path):
+    """A training run's output as the trainer leaves it: two complete checkpoints and a leftover of a third."""
+    from megatron_dapo.checkpoint.trainer_checkpoint import MARKER, checkpoint_name
+
+    root = tmp_path / "runs" / "x" / "checkpoints"
+    for step in (40, 20):
+        (root / checkpoint_name(step) / "model").mkdir(parents=True)
+        (root / checkpoint_name(step) / MARKER).write_text("")
+    (root / f"{checkpoint_name(60)}.tmp" / "model").mkdir(parents=True)
+    return tmp_path
+
+
+def _one_error_line(err: str) -> str:
+    assert "Traceback" not in err, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    return lines[0]
+
+
+def test_missing_input_lists_the_checkpoints_beside_it(run_dir):
+    # As a user types it: the tool, a relative path, a step number as written in a log.
+    done = subprocess.run([sys.executable, str(TOOL), "mcore-to-hf", "--input", "runs/x/checkpoints/step_40/model",
+                           "--output", "hf"], cwd=run_dir, capture_output=True, text=True)
+    assert done.returncode != 0
+    assert _one_error_line(done.stderr) == ("error: --input runs/x/checkpoints/step_40/model does not exist; "
+                                            "checkpoints in runs/x/checkpoints: step_000020, step_000040")
+    assert not (run_dir / "hf").exists()
+
+
+def test_missing_input_under_a_run_lists_its_checkpoints(run_dir, capsys, monkeypatch):
+    from megatron_dapo.cli import main as cli_main
+
+    monkeypatch.chdir(run_dir)
+    assert cli_main(["convert", "mcore-to-hf", "--input", "runs/x/step_000040/model", "--output", "hf"]) != 0
+    assert _one_error_line(capsys.readouterr().err) == (
+        "error: --input runs/x/step_000040/model does not exist; checkpoints in runs/x/checkpoints: step_000020, "
+        "step_000040")
+    assert cli_main(["convert", "mcore-to-hf", "--input", "runs/x/checkpoints/step_000040/models", "--output",
+                     "hf"]) != 0
+    assert _one_error_line(capsys.readouterr().err) == (
+        "error: --input runs/x/checkpoints/step_000040/models does not exist; checkpoints in runs/x/checkpoints: "
+        "step_000020, step_000040")
+
+
+def test_missing_input_without_checkpoints_says_where_it_looked(run_dir, capsys):
+    from megatron_dapo.checkpoint.convert import main
+
+    assert main(["mcore-to-hf", "--input", str(run_dir / "elsewhere" / "model"), "--output", str(run_dir / "hf")]) != 0
+    assert _one_error_line(capsys.readouterr().err) == (
+        f"error: --input {run_dir / 'elsewhere' / 'model'} does not exist; no checkpoints folder in {run_dir}")
+    (run_dir / "runs" / "y" / "checkpoints").mkdir(parents=True)
+    assert main(["mcore-to-hf", "--input", str(run_dir / "runs/y/checkpoints/step_000040/model"), "--output",
+                 str(run_dir / "hf")]) != 0
+    assert _one_error_line(capsys.readouterr().err) == (
+        f"error: --input {run_dir / 'runs/y/checkpoints/step_000040/model'} does not exist; no complete checkpoints "
+        f"in {run_dir / 'runs/y/checkpoints'}")
+
+
+def _bad_inputs(source, source_mcore, tmp_path):
+    """(arguments, what the one error line says) for each mistake a user can make."""
+    not_hf = tmp_path / "not_hf"
+    not_hf.mkdir()
+    return [
+        (["hf-to-mcore", "--input", str(tmp_path / "missing")], f"--input {tmp_path / 'missing'} does not exist"),
+        (["mcore-to-hf", "--input", str(source_mcore), "--hf-config", str(tmp_path / "missing")],
+         f"--hf-config {tmp_path / 'missing'} does not exist"),
+        (["mcore-to-hf", "--input", str(source[0])], "not a megatron-dapo distributed checkpoint"),
+        (["mcore-to-hf", "--input", str(source_mcore), "--hf-config", str(not_hf)], "no config.json"),
+        (["hf-to-mcore", "--input", str(not_hf)], "no config.json"),
+        (["hf-to-mcore", "--input", str(source[0]), "--tp", "8"], "num_attention_heads"),
+        (["hf-to-mcore", "--input", str(source[0]), "--output", str(source_mcore)], "already holds a checkpoint"),
+    ]
+
+
+def test_every_user_mistake_is_one_error_line(source, source_mcore, tmp_path, capsys):
+    from megatron_dapo.checkpoint.convert import main
+
+    for args, says in _bad_inputs(source, source_mcore, tmp_path):
+        argv = args if "--output" in args else [*args, "--output", str(tmp_path / "out")]
+        assert main(argv) == 2, args
+        assert says in _one_error_line(capsys.readouterr().err), args
+        assert _nothing_written(tmp_path / "out")
+
+
+def test_a_mapping_error_is_one_error_line(source, tmp_path, capsys):
+    from megatron_dapo.checkpoint.convert import main
+
+    bad = _with_unknown_tensor(source[0], tmp_path / "bad")
+    assert main(["hf-to-mcore", "--input", str(bad), "--output", str(tmp_path / "out")]) == 2
+    # MappingError is a KeyError, whose plain str() would wrap the message in quotes.
+    assert _one_error_line(capsys.readouterr().err).startswith(
+        f"error: {bad}: tensor 'model.layers.9.self_attn.q_proj.weight' is not part of a ")
+
+
+def test_a_bug_is_still_a_traceback(source_mcore, tmp_path, monkeypatch):
+    from megatron_dapo.checkpoint import convert
+
+    def broken(*args, **kwargs):
+        raise TypeError("a bug")
+
+    monkeypatch.setattr(convert, "mcore_to_hf", broken)
+    with pytest.raises(TypeError, match="a bug"):
+        convert.main(["mcore-to-hf", "--input", str(source_mcore), "--output", str(tmp_path / "out")])

@@ -3,6 +3,8 @@
     hf-to-mcore --input HF_DIR --output DIR --tp N --pp M
     mcore-to-hf --input DIR --output HF_DIR [--hf-config HF_DIR]
 
+mcore-to-hf also reads a trainer checkpoint's model: --input OUT/checkpoints/step_000040/model.
+
 Both directions stream in one process (checkpoint/mcore_stream.py): about one full tensor in memory
 while writing the distributed checkpoint, one layer's tensors plus one output shard while writing
 Hugging Face files. megatron-core loads the result at any TP x PP; TP sets the vocabulary padding and
@@ -23,7 +25,14 @@ from pathlib import Path
 
 import torch
 
-from megatron_dapo.checkpoint.hf_mapping import HF_EMBEDDING, HF_FINAL_NORM, hf_names, hf_tensors, megatron_names
+from megatron_dapo.checkpoint.hf_mapping import (
+    HF_EMBEDDING,
+    HF_FINAL_NORM,
+    MappingError,
+    hf_names,
+    hf_tensors,
+    megatron_names,
+)
 from megatron_dapo.checkpoint.mcore_checkpoint import HF_SUBDIR, read_meta, write_meta
 from megatron_dapo.checkpoint.mcore_stream import McoreCheckpointReader, stored_key, write_mcore_checkpoint
 from megatron_dapo.checkpoint.safetensors_io import (
@@ -33,7 +42,8 @@ from megatron_dapo.checkpoint.safetensors_io import (
     holds_checkpoint,
     write_hf_checkpoint,
 )
-from megatron_dapo.config import ParallelConfig
+from megatron_dapo.checkpoint.trainer_checkpoint import complete_checkpoints
+from megatron_dapo.config import ConfigError, ParallelConfig
 from megatron_dapo.policy.hf_config import ModelSpec, model_spec_from_hf
 from megatron_dapo.policy.model import check_divisibility, padded_vocab_size
 
@@ -122,6 +132,26 @@ def mcore_to_hf(input_dir, output_dir, *, hf_config=None, max_shard_bytes: int =
     return out
 
 
+def _checkpoints_near(path: Path) -> str:
+    """The trainer checkpoints in the checkpoints folder that the nearest existing parent of `path` is, holds,
+    or is inside of (a step folder), or where none was found: a step folder's name (step_000040, not step_40)
+    or a run's path is the likely mistake."""
+    base = next(p for p in path.parents if p.is_dir())
+    for folder in (base, base / "checkpoints", base.parent):
+        if folder.name == "checkpoints" and folder.is_dir():
+            found = complete_checkpoints(folder)
+            if not found:
+                return f"no complete checkpoints in {folder}"
+            return f"checkpoints in {folder}: {', '.join(p.name for p in found)}"
+    return f"no checkpoints folder in {base.absolute()}"  # absolute: "in ." would say little
+
+
+def _check_exists(flag: str, path: str, *, trainer_checkpoint: bool = False) -> None:
+    if not Path(path).exists():
+        hint = f"; {_checkpoints_near(Path(path))}" if trainer_checkpoint else ""
+        raise CheckpointError(f"{flag} {path} does not exist{hint}")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="direction", required=True)
     a = sub.add_parser("hf-to-mcore", help="Hugging Face folder -> megatron-core distributed checkpoint")
@@ -130,17 +160,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a.add_argument("--tp", type=int, default=1, help="tensor-parallel size to save at (loads at any)")
     a.add_argument("--pp", type=int, default=1, help="pipeline-parallel size to save at (loads at any)")
     b = sub.add_parser("mcore-to-hf", help="megatron-core distributed checkpoint -> Hugging Face folder")
-    b.add_argument("--input", required=True, help="distributed checkpoint folder")
+    b.add_argument("--input", required=True, help="distributed checkpoint folder: a converted one, or a trainer "
+                   "checkpoint's model folder, e.g. OUT/checkpoints/step_000040/model")
     b.add_argument("--output", required=True, help="new Hugging Face folder")
     b.add_argument("--hf-config", help="Hugging Face folder to take config.json and tokenizer files from "
                    "(default: the copy kept inside the checkpoint)")
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.direction == "hf-to-mcore":
-        out = hf_to_mcore(args.input, args.output, tp=args.tp, pp=args.pp)
-    else:
-        out = mcore_to_hf(args.input, args.output, hf_config=args.hf_config)
+    # The user's mistakes (a path, a size, a checkpoint that does not fit) as one line, as `train` reports
+    # a bad config; anything else is a bug and keeps its traceback.
+    try:
+        if args.direction == "hf-to-mcore":
+            _check_exists("--input", args.input)
+            out = hf_to_mcore(args.input, args.output, tp=args.tp, pp=args.pp)
+        else:
+            _check_exists("--input", args.input, trainer_checkpoint=True)
+            if args.hf_config:
+                _check_exists("--hf-config", args.hf_config)
+            out = mcore_to_hf(args.input, args.output, hf_config=args.hf_config)
+    except (CheckpointError, MappingError, ConfigError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(f"wrote {out}")
     return 0
 

@@ -277,7 +277,7 @@ def _finish(root: Path, tmp: Path, step: int, state: dict, meta: dict) -> None:
 def save_trainer_checkpoint(root, step: int, trainer, extra: dict, keep_last: int | None = None,
                             driver_state: dict[str, dict] | None = None) -> Path:
     """Collective: checkpoint `trainer` (model, optimizer, step counter, every rank's RNG) and `extra`
-    (JSON-serialisable: data position, config snapshot, ...) as ROOT/step_{step}/; then delete all but
+    (JSON-serialisable: data position, config snapshot, ...) as ROOT/step_000123/; then delete all but
     the newest `keep_last` complete checkpoints (None keeps all). `driver_state` (rank 0's; name -> dict of
     tensors, lists and numbers) is written as driver/NAME.pt (read_driver_state). Returns the folder.
     A write that fails on any rank raises CheckpointWriteError on every rank, the earlier checkpoints intact."""
