@@ -44,7 +44,8 @@ def keyed_command(python: str, module: str, args: list[str]) -> list[str]:
 def main() -> None:
     module, *args = sys.argv[1:]
     key = server_key()
-    sys.argv = [module, *args, *(["--api-key", key] if key else [])]
+    # One token: a key may start with "-", which argparse would take for an option after a separate "--api-key".
+    sys.argv = [module, *args, *([f"--api-key={key}"] if key else [])]
     runpy.run_module(module, run_name="__main__", alter_sys=True)
 
 
