@@ -127,6 +127,8 @@ setup(
         "gpu": ["transformer-engine[pytorch]", f"sglang=={SGLANG_VERSION}", "sglang-router"],
         "sglang-cpu": SGLANG_CPU_DEPS,
         "test": ["pytest>=8", "pytest-timeout", "safetensors"],
+        # bench/bench_vs_trl.py's peer; never a test dependency.
+        "bench": ["trl>=1.16", "psutil"],
     },
     entry_points={"console_scripts": ["megatron-dapo=megatron_dapo.cli:main"]},
 )

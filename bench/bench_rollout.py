@@ -94,7 +94,7 @@ def bench_local(model_dir: Path, cases, prompts, threads: int) -> list[tuple[int
         model = build_model(spec, parallel, pre_process=True, post_process=True)
         load_hf_weights(model, ckpt.get, spec, parallel)
         engine = LocalEngine(model, vocab_size=spec.vocab_size, max_positions=spec.max_position_embeddings,
-                             eos_token_ids=hf_eos_token_ids(ckpt.config), device=runtime.device, max_batch_rows=1024)
+                             eos_token_ids=hf_eos_token_ids(ckpt.config), device=runtime.device)
         timed_rollout(engine, prompts[0][:2], Case(2, 2, 4))
         return [timed_rollout(engine, p, c) for c, p in zip(cases, prompts)]
     finally:

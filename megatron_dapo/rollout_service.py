@@ -77,8 +77,9 @@ class RolloutService:
         self.reward_pool = RewardPool(cfg.reward)
         self.params = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
                                      max_new_tokens=cfg.algorithm.max_response_len)
-        self.dynamic_sampler = DynamicSampler(engine, self._score_group, self.prompts.next_items, cfg.algorithm,
-                                              self.params, dp_size=dp_size)
+        self.dynamic_sampler = DynamicSampler(engine, self._score_groups, self.prompts.next_items, cfg.algorithm,
+                                              self.params, dp_size=dp_size,
+                                              score_as_completed=cfg.rollout.engine == "sglang")
         self.jobs = JobRunner(threaded=cfg.rollout.engine == "sglang")
 
     # -- jobs ---------------------------------------------------------------------------------------
@@ -111,9 +112,13 @@ class RolloutService:
 
     # -- what the jobs do ---------------------------------------------------------------------------------
 
-    def _score_group(self, prompt: PromptItem, samples) -> list[bool]:
+    def _score_groups(self, groups: list[tuple[PromptItem, list]]) -> list[list[bool]]:
+        """One call to the reward pool for all these groups (it spreads their answers over its workers)."""
+        samples = [s for _, group in groups for s in group]
         texts = self.tokenizer.batch_decode([s.output_ids for s in samples], skip_special_tokens=True)
-        return [v.correct for v in self.reward_pool.score(texts, [prompt.ground_truth] * len(texts))]
+        truths = [prompt.ground_truth for prompt, group in groups for _ in group]
+        correct = iter([v.correct for v in self.reward_pool.score(texts, truths)])
+        return [[next(correct) for _ in group] for _, group in groups]
 
     def _collect(self, step: int) -> ReadyBatch:
         start, idle_s = time.perf_counter(), self.jobs.idle_s

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from megatron_dapo.algorithm.empty_step_watch import EmptyStepWatch
 from megatron_dapo.checkpoint.hf_weights import load_hf_weights
 from megatron_dapo.checkpoint.safetensors_io import HFCheckpoint
 from megatron_dapo.checkpoint.trainer_checkpoint import (
@@ -99,6 +100,7 @@ class DapoTrainer:
         self.step_index = 0  # rollout steps done; also the version of the weights the engine samples from
         self.warned_fewer_updates = False
         self.bad_steps = 0  # rollout steps in a row with a skipped update
+        self.empty_steps = EmptyStepWatch(cfg.algorithm.max_sampling_rounds)  # the driver's
         self.batch_prompts: list[int] = []  # the driver's: dataset rows of the batch being trained on
         # The driver's: batches sampled ahead of their step (the overlapping modes), taken from the service and
         # not yet trained on, oldest first.
@@ -441,6 +443,7 @@ class DapoTrainer:
             if self.cfg.eval.every and self.step_index % self.cfg.eval.every == 0:
                 metrics.update(self.evaluate())
             if self.driver:
+                self.empty_steps.observe(self.step_index, metrics)
                 self.metrics.log(self.step_index, metrics)
                 bar.set_postfix(acc=f"{metrics.get('accuracy', math.nan):.2f}",
                                 kept=f"{metrics.get('groups_kept', 0):.0f}")

@@ -104,16 +104,17 @@ class Prompts:
         return items
 
 
-def score_group(prompt, samples):
-    return [prompt.ground_truth[j] in "CL" for j in range(len(samples))]
+def score_groups(groups):
+    return [[prompt.ground_truth[j] in "CL" for j in range(len(samples))] for prompt, samples in groups]
 
 
-def make_sampler(patterns, then=None, dp_size=1, engine=None, **cfg):
+def make_sampler(patterns, then=None, dp_size=1, engine=None, score_as_completed=True, **cfg):
     cfg = {"batch_size": 4, "group_size": 4, "max_response_len": L_MAX, "overlong_cache_len": L_CACHE, **cfg}
     prompts = Prompts(patterns, then)
     engine = engine or ScriptedEngine()
-    sampler = DynamicSampler(engine, score_group, prompts, AlgorithmConfig(**cfg),
-                             SamplingParams(max_new_tokens=L_MAX), dp_size=dp_size)
+    sampler = DynamicSampler(engine, score_groups, prompts, AlgorithmConfig(**cfg),
+                             SamplingParams(max_new_tokens=L_MAX), dp_size=dp_size,
+                             score_as_completed=score_as_completed)
     return sampler, engine, prompts
 
 
@@ -344,17 +345,20 @@ def test_the_round_cap_and_data_parallel_trimming_keep_the_first_groups_in_draw_
     assert "kept 3 of 4 groups after 2 rounds" in caplog.text and "left out 1 of 3" in caplog.text
 
 
-def test_too_easy_data_warns_and_reports_an_empty_batch(caplog):
+def test_too_easy_data_reports_an_empty_batch_in_one_line(caplog):
     sampler, engine, prompts = make_sampler(["CCCC"], max_sampling_rounds=3)
-    with caplog.at_level(logging.WARNING, logger=SAMPLER_LOG):
+    with caplog.at_level(logging.INFO, logger=SAMPLER_LOG):
         batch = sampler.collect()
     assert batch.groups == [] and batch.num_samples == 0
     m = batch.metrics
     assert (m.rounds, m.round_cap_hit, m.groups_kept, m.groups_all_correct) == (3, True, 0, 12)
     assert m.filter_rate == 1.0 and m.filter_rate_all_correct == 1.0 and m.accuracy == 1.0
     assert m.samples_per_kept_sample == math.inf
-    assert "max_sampling_rounds" in caplog.text and "12 were all correct" in caplog.text
-    assert "nothing to train on" in caplog.text
+    # One info line per empty step: the trainer's EmptyStepWatch warns once when empty steps go on.
+    (line,) = [r for r in caplog.records if r.name == SAMPLER_LOG]
+    assert line.levelno == logging.INFO
+    assert "max_sampling_rounds" in line.message and "12 were all correct" in line.message
+    assert "nothing to train on" in line.message
     assert all(s.pending_at_abort == 0 for s in engine.streams)  # each round ran to its end
 
 
@@ -430,8 +434,32 @@ def test_a_malformed_group_is_an_error_and_aborts_the_round():
     assert engine.streams[0].pending_at_abort == 3
 
 
-def test_score_group_must_judge_every_response():
+def test_score_groups_must_judge_every_response_of_every_group():
     sampler, _, _ = make_sampler(["CCWW"])
-    sampler.score_group = lambda prompt, samples: [True]
-    with pytest.raises(RuntimeError, match="1 verdicts for 4 responses"):
+    sampler.score_groups = lambda groups: [[True] for _ in groups]
+    with pytest.raises(RuntimeError, match="1 verdicts for a group of 4 responses"):
         sampler.collect()
+    sampler, _, _ = make_sampler(["CCWW"], score_as_completed=False)
+    sampler.score_groups = lambda groups: [[True] * 4]
+    with pytest.raises(RuntimeError, match=r"1 lists of verdicts for \d+ groups"):
+        sampler.collect()
+
+
+@pytest.mark.parametrize("patterns,batch_size,rounds", [(["CCWW", "CCCC", "WWWW", "CWWW"], 4, 4),
+                                                        (["WWWW", "CCCC", "CCCW"], 3, 2),
+                                                        (["CCCC", "WWWW"], 2, 3)])
+def test_judging_a_round_at_once_keeps_the_batch_judging_as_completed_keeps(patterns, batch_size, rounds):
+    """The in-process engine's way (the whole round judged in one call) and SGLang's (each group as it
+    completes, the rest aborted once the batch is known): the same batch, the same settled-group counts."""
+    batches = []
+    for as_completed in (True, False):
+        sampler, calls, _ = make_sampler(patterns, batch_size=batch_size, max_sampling_rounds=rounds,
+                                         score_as_completed=as_completed)
+        judged = []
+        sampler.score_groups = lambda groups, judged=judged: judged.append(len(groups)) or score_groups(groups)
+        batch = sampler.collect()
+        m = batch.metrics
+        batches.append(([g.prompt.index for g in batch.groups], [g.correct for g in batch.groups], m.groups_settled,
+                         m.groups_all_correct, m.groups_all_wrong, m.rounds))
+        assert set(judged) == {1} if as_completed else len(judged) == m.rounds  # a call per group / per round
+    assert batches[0] == batches[1]

@@ -97,7 +97,8 @@ def test_logprobs_equal_the_policy_recomputing_the_samples(policy, temperature, 
     recomputes at that temperature; rows of different prompt lengths, rows dropped from the KV cache as they stop,
     and batches of rows smaller than the request."""
     ps = prompts()
-    engine = make_engine(policy, max_batch_rows=max_batch_rows, eos=list(range(0, VOCAB, 29)))
+    engine = make_engine(policy, max_batch_tokens=max_batch_rows * (max(PROMPT_LENGTHS) + 24),
+                         eos=list(range(0, VOCAB, 29)))
     groups = engine.generate(ps, 4, SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=24))
     assert [len(g) for g in groups] == [4] * len(ps)
     assert all(s.prompt_index == i for i, g in enumerate(groups) for s in g)
@@ -226,7 +227,7 @@ def test_stream_hands_out_whole_groups_and_abort_ends_it(policy):
 
 
 def test_cancelled_groups_leave_the_batch_and_the_others_are_handed_out(policy):
-    engine = make_engine(policy, max_batch_rows=8)  # two prompts (8 rows) per batch
+    engine = make_engine(policy, max_batch_tokens=8 * (max(PROMPT_LENGTHS) + 30))  # two prompts (8 rows) a batch
     shapes, logits = [], engine._logits
     engine._logits = lambda tokens, start, context: shapes.append(tuple(tokens.shape)) or logits(tokens, start, context)
     stream = engine.stream(prompts(), 4, SamplingParams(max_new_tokens=30, ignore_eos=True))

@@ -149,8 +149,8 @@ def test_dynamic_sampling_keeps_the_first_mixed_groups_in_draw_order(determinist
     # Ten stop tokens of 296: responses of 1 to 64 tokens. "Correct": an even first token.
     params = SamplingParams(max_new_tokens=64, stop_token_ids=list(range(3, 300, 30)), seed=1234)
 
-    def score(prompt, samples):
-        return [s.output_ids[0] % 2 == 0 for s in samples]
+    def score(groups):
+        return [[s.output_ids[0] % 2 == 0 for s in samples] for _, samples in groups]
 
     cfg = AlgorithmConfig(batch_size=4, group_size=4, oversample_factor=3.0, max_sampling_rounds=1,
                           max_response_len=64, overlong_cache_len=16)

@@ -8,9 +8,10 @@ Generation still streams: a completed group is taken (kept or dropped) once ever
 been, and the groups drawn after the B-th mixed one are aborted as soon as that is known. Counting only the
 mixed groups completed so far, the position of the (still needed)-th one is an upper bound on the true one, so
 everything drawn after it is aborted at once. A mixed group whose oldest token was sampled by weights older
-than `min_version` (set per batch by rollout.mode async) is dropped like an unmixed one. After
-algorithm.max_sampling_rounds the step goes on with what was kept (and a warning), the batch trimmed from its
-end (in draw order) so that it divides across data-parallel ranks.
+than `min_version` (set per batch by rollout.mode async) is dropped like an unmixed one. With the in-process
+engine a round is generated whole and judged in one call (`score_as_completed`), which takes the same batch. After
+algorithm.max_sampling_rounds the step goes on with what was kept (and a warning; an info line if nothing was), the
+batch trimmed from its end (in draw order) so that it divides across data-parallel ranks.
 """
 
 from __future__ import annotations
@@ -33,15 +34,23 @@ from megatron_dapo.samples import version_number
 log = logging.getLogger(__name__)
 
 PromptSource = Callable[[int], Sequence[PromptItem]]  # k -> the next k prompts
-ScoreGroup = Callable[[PromptItem, Sequence[Sample]], Sequence[bool]]  # -> correctness of each response
+# groups (a prompt and its responses) -> per group, the correctness of each response
+ScoreGroups = Callable[[Sequence[tuple[PromptItem, Sequence[Sample]]]], Sequence[Sequence[bool]]]
 
 
 class DynamicSampler:
-    def __init__(self, engine: Engine, score_group: ScoreGroup, next_prompts: PromptSource,
-                 cfg: AlgorithmConfig, params: SamplingParams, dp_size: int = 1):
+    """`score_as_completed`: judge each group as it completes, so that the groups past the batch are aborted as
+    soon as that is known (an engine that generates by itself while groups are judged: SGLang). False: judge a
+    round's groups together once its stream has ended, in one call that keeps every reward worker busy (the
+    in-process engine, which generates only while its stream is read: judging a group there would stop
+    generation, and aborting its rows saves little, as the rows of a batch decode together)."""
+
+    def __init__(self, engine: Engine, score_groups: ScoreGroups, next_prompts: PromptSource,
+                 cfg: AlgorithmConfig, params: SamplingParams, dp_size: int = 1, score_as_completed: bool = True):
         cfg.check_data_parallel(dp_size)
         self.engine = engine
-        self.score_group = score_group
+        self.score_groups = score_groups
+        self.score_as_completed = score_as_completed
         self.next_prompts = next_prompts
         self.cfg = cfg
         self.params = params
@@ -64,23 +73,30 @@ class DynamicSampler:
                 break
         else:  # every round ran without filling the batch
             tally.round_cap_hit = True
-            log.warning("dynamic sampling: kept %d of %d groups after %d rounds (algorithm.max_sampling_rounds); "
-                        "of %d groups generated, %d were all correct and %d all wrong. Training on what was kept; "
-                        "if this persists the data is too easy or too hard for the policy.", len(kept),
-                        cfg.batch_size, cfg.max_sampling_rounds, tally.groups, tally.all_correct, tally.all_wrong)
+            if kept:
+                log.warning("dynamic sampling: kept %d of %d groups after %d rounds (algorithm.max_sampling_rounds); "
+                            "of %d groups generated, %d were all correct and %d all wrong. Training on what was kept; "
+                            "if this persists the data is too easy or too hard for the policy.", len(kept),
+                            cfg.batch_size, cfg.max_sampling_rounds, tally.groups, tally.all_correct, tally.all_wrong)
 
         usable = len(kept) - len(kept) % self.dp_size
         if usable < len(kept):
             log.warning("dynamic sampling: left out %d of %d kept groups so that the batch divides across %d "
                         "data-parallel ranks", len(kept) - usable, len(kept), self.dp_size)
         if usable == 0:
-            log.warning("dynamic sampling: the batch is empty; this step has nothing to train on")
+            # Info, not a warning, per step: the trainer's EmptyStepWatch warns once, with the numbers, when
+            # empty steps go on.
+            log.info("dynamic sampling: the batch is empty after %d rounds (algorithm.max_sampling_rounds): of %d "
+                     "groups generated, %d were all correct and %d all wrong; this step has nothing to train on",
+                     tally.rounds, tally.groups, tally.all_correct, tally.all_wrong)
         batch = kept[:usable]
         return RolloutBatch(batch, tally.metrics(kept=batch, trimmed=len(kept) - usable))
 
     def _round(self, prompts: list[PromptItem], params: SamplingParams, need: int, tally: _Tally) -> list[ScoredGroup]:
         """The first `need` mixed groups of these prompts, in their order, generating as little past them as it can."""
         stream = self.engine.stream([p.token_ids for p in prompts], self.cfg.group_size, params)
+        if not self.score_as_completed:
+            return self._whole_round(stream, prompts, need, tally)
         kept: list[ScoredGroup] = []
         completed: dict[int, ScoredGroup] = {}  # completed, waiting for the groups drawn before them
         mixed: list[int] = []  # the indices in `completed` of mixed groups, ascending
@@ -95,7 +111,7 @@ class DynamicSampler:
                 if index < settled or index in completed:
                     raise RuntimeError(f"dynamic sampling: the engine returned the group of prompt {index} twice")
                 received += 1
-                group = self._score(prompts[index], samples)
+                group = self._score([(prompts[index], samples)])[0]
                 tally.generated(group)
                 completed[index] = group
                 if self._usable(group):
@@ -130,6 +146,33 @@ class DynamicSampler:
                                f"of {len(prompts)} groups never returned")
         return kept
 
+    def _whole_round(self, stream, prompts: list[PromptItem], need: int, tally: _Tally) -> list[ScoredGroup]:
+        """The first `need` mixed groups of a round generated whole, judged in one call once all are in (judging
+        them during generation, in a thread, measured no faster: on a shared CPU the judge's work and the
+        engine's take turns on the same cores)."""
+        groups: dict[int, Sequence[Sample]] = {}
+        try:
+            for samples in stream:
+                index = self._check_group(prompts, samples)
+                if index in groups:
+                    raise RuntimeError(f"dynamic sampling: the engine returned the group of prompt {index} twice")
+                groups[index] = samples
+        finally:
+            stream.abort()  # after a failed check: generate no more
+        if len(groups) < len(prompts):
+            raise RuntimeError(f"dynamic sampling: the engine's stream ended with {len(prompts) - len(groups)} of "
+                               f"{len(prompts)} groups never returned")
+        kept: list[ScoredGroup] = []
+        for group in self._score([(prompts[i], groups[i]) for i in range(len(prompts))]):  # settled in draw order
+            tally.generated(group)
+            if len(kept) < need:
+                tally.settle(group)
+                if self._usable(group):
+                    kept.append(group)
+                elif self._mixed(group):
+                    tally.stale += 1
+        return kept
+
     def _mixed(self, group: ScoredGroup) -> bool:
         """0 < #correct < G: the group has contrast, its advantages are not all zero."""
         return 0 < group.num_correct < self.cfg.group_size
@@ -159,12 +202,27 @@ class DynamicSampler:
                                    f"{len(s.output_ids)} tokens; the engine must return one per token")
         return samples[0].prompt_index
 
-    def _score(self, prompt: PromptItem, samples: list[Sample]) -> ScoredGroup:
-        """Judge one group and turn its verdicts (and lengths) into rewards, advantages and loss masks."""
+    def _score(self, groups: list[tuple[PromptItem, Sequence[Sample]]]) -> list[ScoredGroup]:
+        """Judge these groups (in one call) and turn their verdicts into rewards, advantages and loss masks."""
+        if not groups:
+            return []
+        verdicts = self._verdict_lists(self.score_groups(groups), len(groups))
+        return [self._scored(prompt, samples, correct) for (prompt, samples), correct in zip(groups, verdicts)]
+
+    @staticmethod
+    def _verdict_lists(verdicts, num_groups: int) -> list[Sequence[bool]]:
+        verdicts = list(verdicts)
+        if len(verdicts) != num_groups:
+            raise RuntimeError(f"dynamic sampling: score_groups returned {len(verdicts)} lists of verdicts for "
+                               f"{num_groups} groups")
+        return verdicts
+
+    def _scored(self, prompt: PromptItem, samples: Sequence[Sample], verdicts: Sequence[bool]) -> ScoredGroup:
         g = self.cfg.group_size
-        correct = [bool(c) for c in self.score_group(prompt, samples)]
+        correct = [bool(c) for c in verdicts]
         if len(correct) != g:
-            raise RuntimeError(f"dynamic sampling: score_group returned {len(correct)} verdicts for {g} responses")
+            raise RuntimeError(f"dynamic sampling: score_groups returned {len(correct)} verdicts for a group of {g} "
+                               "responses")
         rewards = sample_rewards(correct, [len(s.output_ids) for s in samples], self.cfg)
         return ScoredGroup(
             prompt=prompt,

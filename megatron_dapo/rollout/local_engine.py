@@ -9,9 +9,12 @@ All prompts x n rows are decoded together with megatron-core's static KV cache
 and the causal mask is all the masking needed: the cache is filled up to the shortest prompt, then
 one position per step for every row, a row taking its own prompt token where it still has one and
 a sampled token after. Finished rows are dropped from the batch (and the cache) as they pile up.
-At most max_batch_rows rows (whole groups) share one cache; more prompts are decoded batch after
-batch. Samples are drawn from the engine's own torch.Generator, seeded once: the same seed and the
-same requests give the same samples.
+Whole groups share one cache up to max_batch_tokens cache positions (rows x (longest prompt +
+max_new_tokens)); more prompts are decoded batch after batch. A decode step's cost is mostly fixed (a
+forward of the whole model per position) while rows are nearly free at small sizes, so the budget is
+in positions: a demo-sized batch decodes in one pass, a long-context one stays within memory.
+Samples are drawn from the engine's own torch.Generator, seeded once: the same seed and the same
+requests give the same samples.
 
 Log-probs: each sampled token's log_softmax(logits / temperature) over the true vocabulary, taken
 before the top_p cut: what SGLang returns by default, and what policy.forward.response_logprobs
@@ -76,7 +79,7 @@ class LocalEngine:
     """Engine over an in-process policy stage (a GPTModel, or it wrapped in megatron's DDP)."""
 
     def __init__(self, model: torch.nn.Module, *, vocab_size: int, max_positions: int,
-                 eos_token_ids: Sequence[int], device: torch.device, seed: int = 0, max_batch_rows: int = 256,
+                 eos_token_ids: Sequence[int], device: torch.device, seed: int = 0, max_batch_tokens: int = 2**16,
                  weight_version: str = "0"):
         from megatron.core import parallel_state
 
@@ -86,14 +89,14 @@ class LocalEngine:
             raise ConfigError(f"rollout.engine: 'local' samples in-process and needs tensor_parallel = "
                               f"pipeline_parallel = 1, the policy has TP={tp} x PP={pp}; use rollout.engine: "
                               "'sglang' for a parallel policy")
-        if max_batch_rows < 1:
-            raise ValueError(f"max_batch_rows: must be >= 1, got {max_batch_rows}")
+        if max_batch_tokens < 1:
+            raise ValueError(f"max_batch_tokens: must be >= 1, got {max_batch_tokens}")
         self.model = model
         self.vocab_size = vocab_size
         self.max_positions = max_positions
         self.eos_token_ids = [int(e) for e in eos_token_ids]
         self.device = device
-        self.max_batch_rows = max_batch_rows
+        self.max_batch_tokens = max_batch_tokens
         self.weight_version = weight_version  # the trainer sets it after each step
         self.generator = torch.Generator(device=device).manual_seed(seed)
 
@@ -254,7 +257,8 @@ class LocalGroupStream:
         # Whole groups per batch of rows, so each group completes inside one batch. A batch takes the next
         # prompts not cancelled when it starts; a group cancelled later has its rows dropped from the batch.
         n = self.n
-        per_batch = max(1, self.engine.max_batch_rows // n)
+        positions = min(max(map(len, self.prompts), default=0) + self.params.max_new_tokens, self.engine.max_positions)
+        per_batch = max(1, self.engine.max_batch_tokens // (n * positions))
         left = list(range(len(self.prompts)))
         while not self.aborted:
             left = [p for p in left if p not in self.cancelled]
