@@ -159,7 +159,7 @@ def test_dynamic_sampling_keeps_the_first_mixed_groups_in_draw_order(determinist
 
     # The same 12 prompts generated whole, with round 1's seeds: the batch is their first 4 mixed groups.
     full = engine.generate([p.token_ids for p in prompts], 4, dataclasses.replace(params, seed=sample_seed(1234, 1)))
-    mixed = [i for i, g in enumerate(full) if 0 < sum(score(None, g)) < 4]
+    mixed = [i for i, g in enumerate(full) if 0 < sum(score([(None, g)])[0]) < 4]
     assert len(mixed) >= 5
     assert [g.prompt.index for g in batch.groups] == mixed[:4]
     assert [[s.output_ids for s in g.samples] for g in batch.groups] == [[s.output_ids for s in full[i]]
