@@ -8,7 +8,8 @@ demo's DAPO config (`megatron_dapo.demo.dapo_config`: the Megatron policy, the l
 without its in-loop evaluation; TRL's is GRPOConfig(loss_type="dapo") set as close as TRL allows (it has no
 dynamic sampling: a batch keeps its all-right and all-wrong groups, which carry no gradient).
 
-Each side runs in its own process; "train s" is its training call alone (no model load, no export). One evaluator
+Each side runs in its own process; "train s" is its training call alone (no model load, no export; the judge is
+loaded before it on both sides, and ours includes writing its final checkpoint, model and optimizer). One evaluator
 judges the warm model and every trained one: Hugging Face `generate`, avg@4 on the 256 held-out prompts at
 temperature 1, the same seed for every model. Rounds alternate which side goes first. The machine's CPU steal
 time during each run (from /proc/stat) and the cores the run's processes used are printed with it: these
@@ -124,6 +125,7 @@ def run_trl(out: Path, seed: int, steps: int, final: Path) -> dict:
     overlong = get_soft_overlong_punishment(algo["max_response_len"], algo["overlong_cache_len"])
     trainer = GRPOTrainer(model=model, processing_class=tokenizer, args=config, train_dataset=dataset,
                           reward_funcs=[judge_reward, overlong])
+    is_correct("Answer: 2", "2")  # math-verify imported before the clock starts, as our reward workers start in setup
     result = timed(trainer.train)
     trainer.save_model(str(final))
     tokenizer.save_pretrained(final)

@@ -98,6 +98,7 @@ class OptimConfig:
 
 
 TIS_MODES = ("truncate", "mask")
+OLD_LOGPROB_SOURCES = ("recompute", "rollout")
 
 
 @dataclass(frozen=True)
@@ -117,6 +118,11 @@ class LossConfig:
     tis_cap: float | None = None
     # "truncate": weight min(ratio, cap); "mask": weight ratio, and 0 (the token left out) past the cap.
     tis_mode: str = "truncate"
+    # Where pi_old's log-probs come from. "recompute": a forward-only pass of the current weights over the batch
+    # (the paper's way; it also measures the engine's mismatch). "rollout": the engine's own, returned as it
+    # sampled; exact only where the engine is the trained policy itself at these weights (the in-process engine
+    # in sync mode), where it saves that pass; refused elsewhere.
+    old_logprobs: str = "recompute"
 
     def __post_init__(self):
         try:  # the op's own rules: a config the op would refuse is refused before anything starts
@@ -128,6 +134,11 @@ class LossConfig:
                  f"must be >= 1 or null (off), got {self.tis_cap}")
         _require(self.tis_mode in TIS_MODES, "loss.tis_mode",
                  f"must be one of {', '.join(map(repr, TIS_MODES))}, got {self.tis_mode!r}")
+        _require(self.old_logprobs in OLD_LOGPROB_SOURCES, "loss.old_logprobs",
+                 f"must be one of {', '.join(map(repr, OLD_LOGPROB_SOURCES))}, got {self.old_logprobs!r}")
+        _require(self.old_logprobs == "recompute" or self.tis_cap is None, "loss.old_logprobs",
+                 "'rollout' takes pi_old to be the engine's own distribution, so there is no mismatch for "
+                 "loss.tis_cap to correct; set loss.old_logprobs to 'recompute', or loss.tis_cap to null")
 
 
 ACTIVATION_RECOMPUTE = ("none", "full")
@@ -218,7 +229,8 @@ class RolloutConfig:
     server_nodes: list[str] = field(default_factory=list)
 
     def __post_init__(self):
-        _require(self.engine in ("sglang", "local"), "rollout.engine", f"must be 'sglang' or 'local', got {self.engine!r}")
+        _require(self.engine in ("sglang", "local"), "rollout.engine",
+                 f"must be 'sglang' or 'local', got {self.engine!r}")
         _require(self.mode in ROLLOUT_MODES, "rollout.mode",
                  f"must be one of {', '.join(map(repr, ROLLOUT_MODES))}, got {self.mode!r}")
         if self.mode != "sync":

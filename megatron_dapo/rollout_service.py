@@ -63,6 +63,7 @@ class RolloutService:
 
         self.cfg = cfg
         self.engine = engine
+        self.reward_pool = RewardPool(cfg.reward)  # its workers start (import math-verify) while the rest loads
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
         rows, _ = load_prompt_rows(cfg.data.train_path)  # skipped rows are counted in its warning
         if cfg.data.drop_duplicates:
@@ -74,13 +75,14 @@ class RolloutService:
         self.sampler = PromptSampler(len(rows), cfg.data.seed)
         self.prompts = PromptSource(rows, self.sampler, self.tokenizer, max_prompt_len=cfg.data.max_prompt_len,
                                     chat_template=cfg.data.chat_template, name=cfg.data.train_path)
-        self.reward_pool = RewardPool(cfg.reward)
         self.params = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
                                      max_new_tokens=cfg.algorithm.max_response_len)
         self.dynamic_sampler = DynamicSampler(engine, self._score_groups, self.prompts.next_items, cfg.algorithm,
                                               self.params, dp_size=dp_size,
                                               score_as_completed=cfg.rollout.engine == "sglang")
         self.jobs = JobRunner(threaded=cfg.rollout.engine == "sglang")
+        # Setup's, not the first step's: seconds of worker start-up, and a worker that cannot start is named now.
+        self.reward_pool.wait_until_ready()
 
     # -- jobs ---------------------------------------------------------------------------------------
 
@@ -219,14 +221,15 @@ class JobRunner:
         deadline = None if timeout is None else time.monotonic() + timeout
         while self._jobs:
             try:
-                self.restarted, self._resyncing = self._restarts.get(
-                    timeout=0.05 if deadline is None else max(0.0, min(0.05, deadline - time.monotonic())))
+                self.restarted, self._resyncing = self._restarts.get_nowait()
                 return RESYNC
             except queue.Empty:
-                if self._jobs[0].done.is_set():
-                    break
-                if deadline is not None and time.monotonic() >= deadline:
-                    return None
+                pass
+            # Back at once when the job is done; every 50 ms to look for a restarted server meanwhile.
+            if self._jobs[0].done.wait(0.05 if deadline is None else max(0.0, min(0.05, deadline - time.monotonic()))):
+                break
+            if deadline is not None and time.monotonic() >= deadline:
+                return None
         return READY
 
     def resynced(self) -> None:

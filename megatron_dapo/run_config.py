@@ -64,6 +64,10 @@ class DapoConfig:
                  f"must be set with rollout.mode {r.mode!r}: its batches were sampled by the weights of the step "
                  "before, and each token is weighted by min(pi_old / pi_rollout, cap) to correct for them "
                  "(decoupled PPO); set loss.tis_cap (2.0 is common), or rollout.mode to 'sync'")
+        _require(self.loss.old_logprobs == "recompute" or r.engine == "local", "loss.old_logprobs",
+                 f"'rollout' is exact only for the in-process engine in sync mode (it samples with the very weights "
+                 f"being trained); rollout.engine {r.engine!r} samples with its own copy and kernels: set "
+                 "loss.old_logprobs to 'recompute'")
         _require(self.train.updates_per_step <= self.algorithm.batch_size * self.algorithm.group_size,
                  "train.updates_per_step", f"{self.train.updates_per_step} mini-batches cannot be cut from "
                  f"{self.algorithm.batch_size} x {self.algorithm.group_size} responses")
@@ -102,7 +106,8 @@ MOVED_KEYS = {"train.eval_every": "eval.every", "train.eval_samples_per_prompt":
 
 
 def _build(cls, data, prefix: str):
-    _require(isinstance(data, dict), prefix.rstrip(".") or "config", f"must be a mapping of keys to values, got {data!r}")
+    _require(isinstance(data, dict), prefix.rstrip(".") or "config",
+             f"must be a mapping of keys to values, got {data!r}")
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     kwargs = {}

@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from megatron_dapo.algorithm.empty_step_watch import EmptyStepWatch
 from megatron_dapo.checkpoint.hf_weights import load_hf_weights
+from megatron_dapo.checkpoint.mcore_checkpoint import start_writer_helper
 from megatron_dapo.checkpoint.safetensors_io import HFCheckpoint
 from megatron_dapo.checkpoint.trainer_checkpoint import (
     latest_checkpoint,
@@ -73,6 +74,7 @@ class DapoTrainer:
         from megatron.core import parallel_state
 
         self.cfg = cfg
+        writer_helper = start_writer_helper()  # it starts beside the setup below, not inside the first checkpoint
         self.runtime = init_runtime(cfg.parallel)
         self.driver = dist.get_rank() == 0
         env = self.runtime.env
@@ -127,6 +129,7 @@ class DapoTrainer:
             self.sync_weights()  # the servers start from the initial weights
         if cfg.rollout.engine == "sglang" and cfg.rollout.server_urls:
             self._check_server_logprobs()
+        writer_helper.join()
 
     # -- setup -------------------------------------------------------------------------------------
 
@@ -284,12 +287,13 @@ class DapoTrainer:
                 self.server_memory.release()
         train_metrics = {}
         if len(share):
-            with timer("old_logprob"):
+            loss = self.cfg.loss
+            with timer("old_logprob"):  # loss.old_logprobs "rollout": the engine's, nothing recomputed
                 samples, sums, abs_max = training_samples(
                     self.policy.module.eval(), self.reference, share, spec=self.spec,
                     max_tokens_per_micro_batch=self.cfg.model.max_tokens_per_micro_batch, device=self.runtime.device,
-                    tis_cap=self.cfg.loss.tis_cap, tis_mode=self.cfg.loss.tis_mode,
-                    temperature=self.cfg.rollout.temperature)
+                    tis_cap=loss.tis_cap, tis_mode=loss.tis_mode, temperature=self.cfg.rollout.temperature,
+                    old_logprobs=loss.old_logprobs)
                 self.policy.module.train()
             with timer("train"):
                 self.policy.begin_rollout_step(self.step_index)  # the LR warmup counts rollout steps
@@ -356,28 +360,29 @@ class DapoTrainer:
                                "optim.lr, or raise train.max_bad_steps")
 
     def _train_metrics(self, results, sums, abs_max) -> dict[str, float]:
-        m = reduce_mismatch(sums, abs_max)
-        tokens = max(m["tokens"], 1.0)
         stats = {k: sum(r.stats[k] for r in results) for k in STAT_NAMES if k != "ratio_max"}
         loss_tokens = max(stats["num_tokens"], 1.0)
         out = {
             "loss": sum(r.loss * r.stats["num_tokens"] for r in results) / loss_tokens,
             "grad_norm": max((r.grad_norm for r in results if r.applied), default=math.nan),
             "lr": results[-1].lr,
-            "entropy": m["entropy_sum"] / tokens,
             "clip_frac/low": stats["clipped_low"] / loss_tokens,
             "clip_frac/high": stats["clipped_high"] / loss_tokens,
             "clip_frac/dual": stats["dual_clipped"] / loss_tokens,
             "ratio_mean": stats["ratio_sum"] / loss_tokens,
             "ratio_max": max(r.stats["ratio_max"] for r in results),
             "approx_kl": stats["k3_kl_sum"] / loss_tokens,
-            "mismatch/kl": m["mismatch_k3_sum"] / tokens,
-            "mismatch/abs_mean": m["mismatch_abs_sum"] / tokens,
-            "mismatch/abs_max": m["abs_max"],
             "loss_tokens": stats["num_tokens"],
             "updates": len(results),
             "updates_skipped": sum(not r.applied for r in results),
         }
+        if self.cfg.loss.old_logprobs == "rollout":  # no old policy's pass: the entropy of the updates' forwards
+            out["entropy"] = sum(r.entropy_mean * r.stats["num_tokens"] for r in results) / loss_tokens
+            return out
+        m = reduce_mismatch(sums, abs_max)
+        tokens = max(m["tokens"], 1.0)
+        out.update({"entropy": m["entropy_sum"] / tokens, "mismatch/kl": m["mismatch_k3_sum"] / tokens,
+                    "mismatch/abs_mean": m["mismatch_abs_sum"] / tokens, "mismatch/abs_max": m["abs_max"]})
         if self.cfg.loss.tis_cap is not None:
             out.update({"tis/weight_mean": m["tis_weight_sum"] / tokens, "tis/capped_frac": m["tis_capped"] / tokens})
         return out

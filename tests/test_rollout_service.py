@@ -2,6 +2,7 @@
 that restarts during one gets its weights from the main thread (where every collective runs), never from the
 engine's threads."""
 
+import queue
 import threading
 
 import pytest
@@ -55,6 +56,29 @@ def test_jobs_run_one_after_another_in_order_and_errors_reach_the_main_thread():
         jobs.take()
     assert jobs.wait() == READY and jobs.take() == "next"  # a failed job does not stop the queue
     assert jobs.idle_s >= 0
+
+
+class _RestartsThatMustNotBlock:
+    """A restart queue with nothing in it that fails the test if wait() blocks on it."""
+
+    def get(self, block=True, timeout=None):
+        if block and timeout != 0:
+            raise AssertionError(f"wait() blocked on the restart queue (timeout {timeout}) for a finished job")
+        raise queue.Empty
+
+    def get_nowait(self):
+        raise queue.Empty
+
+
+@pytest.mark.parametrize("threaded", [False, True])
+def test_a_finished_job_is_ready_at_once(threaded):
+    """The in-process engine's jobs are done when start() returns; wait() must not sit on the restart queue first
+    (it slept 50 ms a step, 8% of the demo's step)."""
+    jobs = JobRunner(threaded=threaded)
+    jobs.start("batch", lambda: "sampled")
+    jobs._jobs[0].done.wait()
+    jobs._restarts = _RestartsThatMustNotBlock()
+    assert jobs.wait() == READY and jobs.take() == "sampled"
 
 
 def test_a_restart_where_no_rank_waits_is_an_error_not_a_hang():

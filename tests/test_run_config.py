@@ -43,6 +43,7 @@ def test_overrides_are_read_as_yaml():
     ("loss.dual_clip_c=0.5", "loss.dual_clip_c"),
     ("loss.kl_type=k2", "loss.kl_type"),
     ("loss.tis_cap=0.5", "loss.tis_cap"),
+    ("loss.old_logprobs=engine", "loss.old_logprobs: must be one of 'recompute', 'rollout'"),
     ("optim.lr=0", "optim.lr"),
     ("optim.lr=fast", "optim.lr: must be float"),
     ("optim.warmup_steps=-1", "optim.warmup_steps"),
@@ -110,6 +111,12 @@ def test_bad_values_name_their_key(override, key):
      "rollout.job_timeout_s: 60 s is shorter than one group's rollout.request_timeout_s"),
     (["rollout.mode=one_step_off", "loss.tis_cap=2", "rollout.max_staleness=2"],
      "rollout.max_staleness: bounds rollout.mode 'async' only .* set rollout.mode to 'async'"),
+    # The engine's log-probs are pi_old's only where it samples with the very weights being trained.
+    (["loss.old_logprobs=rollout"],
+     "loss.old_logprobs: 'rollout' is exact only for the in-process engine in sync mode .* "
+     "rollout.engine 'sglang' samples .* set loss.old_logprobs to 'recompute'"),
+    (["loss.old_logprobs=rollout", "rollout.engine=local", "loss.tis_cap=2"],
+     "loss.old_logprobs: 'rollout' .* no mismatch for loss.tis_cap to correct"),
 ])
 def test_bad_combinations_name_a_key(overrides, key):
     with pytest.raises(ConfigError, match=key):

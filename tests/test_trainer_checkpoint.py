@@ -212,3 +212,17 @@ def test_a_write_failing_outside_megatrons_collective_error_path_stops_the_run(t
                             f"{root / 'step_000001'}")
     assert latest_checkpoint(root) == root / "step_000001"  # the leftover is ignored, and deleted by the next save
     assert stop_s < 60, stop_s  # measured: 2.4 s
+
+
+def test_the_checkpoint_writers_helper_starts_before_the_first_save():
+    """megatron-core's writer hands its results through a helper process that it spawns at the first save and that
+    imports torch when it unpickles the first results: 2-3 s inside the step that checkpoints here. The trainer
+    starts it during setup (start_writer_helper); the first save then finds it running."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    from megatron_dapo.checkpoint.mcore_checkpoint import start_writer_helper
+
+    start_writer_helper().join()
+    helper = filesystem_async._results_queue
+    assert helper is not None and filesystem_async._get_write_results_queue() is helper
+    assert helper.empty()  # the warm-up result was taken back: the writer's first get() is its own

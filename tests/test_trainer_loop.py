@@ -93,10 +93,22 @@ def metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_local_engine_loop_trains_and_checkpoints(task, tmp_path):
-    out = tmp_path / "local"
-    cfg = config(task, out, rollout={"engine": "local"}, optim={"warmup_steps": 2})
-    finish(launch(cfg, 1), cfg)
+@pytest.fixture(scope="module")
+def local_runs(task, tmp_path_factory):
+    """The in-process engine's loop, twice side by side: pi_old's log-probs recomputed, and taken from the engine
+    (loss.old_logprobs 'rollout'). Returns the two output folders."""
+    root = tmp_path_factory.mktemp("local")
+    outs = {"recompute": root / "recompute", "rollout": root / "rollout"}
+    cfgs = {k: config(task, out, rollout={"engine": "local"}, optim={"warmup_steps": 2}, loss={"old_logprobs": k})
+            for k, out in outs.items()}
+    procs = {k: launch(cfg, 1) for k, cfg in cfgs.items()}
+    for k, proc in procs.items():
+        finish(proc, cfgs[k])
+    return outs
+
+
+def test_local_engine_loop_trains_and_checkpoints(local_runs):
+    out = local_runs["recompute"]
     records = metrics(out)
     assert [r["step"] for r in records] == [1, 2, 3]
     for r in records:
@@ -109,6 +121,19 @@ def test_local_engine_loop_trains_and_checkpoints(task, tmp_path):
     assert [r["lr"] for r in records] == pytest.approx([5e-4, 1e-3, 1e-3])  # warmup over 2 rollout steps
     assert [r["weight_version"] for r in records] == [0, 1, 2]  # sampled by the weights of the step before
     assert (out / "checkpoints" / "step_000003" / "COMPLETE").is_file()
+
+
+def test_old_logprobs_taken_from_the_local_engine_train_as_the_recomputed_ones(local_runs):
+    """The in-process engine samples with the very weights being trained: its log-probs are pi_old's, and the run
+    that skips recomputing them samples and updates as the one that recomputes them. It has no mismatch to report,
+    and its entropy is that of the updates' forward passes."""
+    recomputed, taken = metrics(local_runs["recompute"]), metrics(local_runs["rollout"])
+    assert [r["accuracy"] for r in taken] == [r["accuracy"] for r in recomputed]  # the same samples every step
+    for key in ("loss", "grad_norm", "ratio_mean", "clip_frac/low", "clip_frac/high", "approx_kl"):
+        assert taken[0][key] == pytest.approx(recomputed[0][key], rel=1e-4, abs=1e-7), key
+    assert taken[0]["entropy"] == pytest.approx(recomputed[0]["entropy"], rel=0.05)
+    assert not any(k.startswith("mismatch/") for r in taken for k in r)
+    assert (local_runs["rollout"] / "checkpoints" / "step_000003" / "COMPLETE").is_file()
 
 
 def kill_tree(proc: subprocess.Popen) -> None:

@@ -8,6 +8,7 @@ and `hf/` (the source config.json and tokenizer files), so it converts back to H
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
 import torch
@@ -16,6 +17,27 @@ from megatron_dapo.checkpoint.safetensors_io import CheckpointError
 
 META = "megatron_dapo.json"
 HF_SUBDIR = "hf"
+
+
+def start_writer_helper() -> threading.Thread:
+    """Start, in the background, the helper process megatron-core's checkpoint writer (torch_dist) hands its
+    results through; join the thread before the first save. Otherwise the writer spawns it at its first save,
+    and the helper imports torch when it unpickles the first results: seconds on the step that checkpoints. One
+    per process, kept for the rest of it."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.storage import WriteResult
+
+    def start() -> None:
+        queue = filesystem_async._get_write_results_queue()
+        # A result like the writer's: the helper imports what unpickling them takes (torch's checkpoint modules).
+        queue.put(WriteResult(MetadataIndex("warm-up"), 0, _StorageInfo("warm-up", 0, 0)))
+        queue.get()
+
+    thread = threading.Thread(target=start, name="checkpoint-writer-helper", daemon=True)
+    thread.start()
+    return thread
 
 
 def save_model(model: torch.nn.Module, directory) -> None:

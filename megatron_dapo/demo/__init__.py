@@ -35,7 +35,8 @@ DAPO = {
     "reward": {"num_workers": 2, "timeout_s": 5.0, "tail_chars": 200},
     "algorithm": {"batch_size": 32, "group_size": 8, "oversample_factor": 1.5, "max_sampling_rounds": 4,
                   "max_response_len": 12, "overlong_cache_len": 4},
-    "loss": {"eps_low": 0.2, "eps_high": 0.28},
+    # The in-process engine samples with the very weights being trained: its log-probs are pi_old's.
+    "loss": {"eps_low": 0.2, "eps_high": 0.28, "old_logprobs": "rollout"},
     # warmup in rollout steps. One data-parallel rank: the distributed optimizer would shard nothing and its
     # buffer copies cost a third of each update here (bench/bench_vs_trl.py).
     "optim": {"lr": 2e-4, "warmup_steps": 5, "weight_decay": 0.0, "clip_grad": 1.0, "distributed_optimizer": False},

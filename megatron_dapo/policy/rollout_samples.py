@@ -7,6 +7,8 @@ distribution the engine sampled from and whose log-probs it returned.
 Everything per token is built once for the share, on the rank's device, and cut into per-response
 views: the engine's log-probs travel to the device in one copy. When loss.tis_cap is set, each token
 is weighted by min(pi_old / pi_rollout, cap) (truncated importance sampling; policy/mismatch.py).
+With loss.old_logprobs "rollout" (the in-process engine in sync mode, which sampled with these very
+weights) the engine's log-probs are pi_old's and nothing is recomputed: no entropies, no mismatch.
 """
 
 from __future__ import annotations
@@ -31,12 +33,13 @@ def _flat_logprobs(model, seqs: list[Sequence], numel: int, device: torch.device
 
 def training_samples(model, reference, share: PackedShare, *, spec, max_tokens_per_micro_batch: int,
                      device: torch.device, tis_cap: float | None, tis_mode: str = "truncate",
-                     temperature: float = 1.0
+                     temperature: float = 1.0, old_logprobs: str = "recompute"
                      ) -> tuple[list[RolloutSample], torch.Tensor, torch.Tensor]:
     """RolloutSamples for `share` (this rank's responses), on `device`; and this rank's mismatch sums
     (MISMATCH_KEYS) and largest |log pi_old - log pi_rollout| over its loss tokens (zeros on all but one
-    rank per data-parallel replica, so that world-wide sums count every response once). `temperature`:
-    rollout.temperature, at which the old (and reference) log-probs and entropies are computed."""
+    rank per data-parallel replica, so that world-wide sums count every response once, and zeros with
+    `old_logprobs` "rollout"). `temperature`: rollout.temperature, at which the old (and reference) log-probs
+    and entropies are computed. `old_logprobs`: loss.old_logprobs."""
     from megatron.core import parallel_state
 
     seqs = [Sequence(tokens.long(), prompt_len)
@@ -45,11 +48,14 @@ def training_samples(model, reference, share: PackedShare, *, spec, max_tokens_p
     numel = sum(lengths)
     kwargs = dict(vocab_size=spec.vocab_size, max_positions=spec.max_position_embeddings,
                   max_tokens_per_micro_batch=max_tokens_per_micro_batch, temperature=temperature)
-    old, entropy = _flat_logprobs(model, seqs, numel, device, **kwargs)
+    rollout = share.rollout_logp.to(device)
+    if old_logprobs == "rollout":
+        old, entropy = rollout, None
+    else:
+        old, entropy = _flat_logprobs(model, seqs, numel, device, **kwargs)
     ref = _flat_logprobs(reference, seqs, numel, device, **kwargs)[0] if reference is not None else None
 
     per_token = share.output_lens.to(device)
-    rollout = share.rollout_logp.to(device)
     advantages = share.advantages.to(device, torch.float32)
     in_loss = share.in_loss.to(device).repeat_interleave(per_token)
     log_ratio = old.double() - rollout  # log pi_old / pi_rollout
