@@ -102,7 +102,7 @@ class DapoTrainer:
         self.step_index = 0  # rollout steps done; also the version of the weights the engine samples from
         self.warned_fewer_updates = False
         self.bad_steps = 0  # rollout steps in a row with a skipped update
-        self.empty_steps = EmptyStepWatch(cfg.algorithm.max_sampling_rounds)  # the driver's
+        self.empty_steps = EmptyStepWatch(cfg.algorithm.max_sampling_rounds, cfg.algorithm.batch_size)  # driver's
         self.batch_prompts: list[int] = []  # the driver's: dataset rows of the batch being trained on
         # The driver's: batches sampled ahead of their step (the overlapping modes), taken from the service and
         # not yet trained on, oldest first.

@@ -226,3 +226,25 @@ def test_the_checkpoint_writers_helper_starts_before_the_first_save():
     helper = filesystem_async._results_queue
     assert helper is not None and filesystem_async._get_write_results_queue() is helper
     assert helper.empty()  # the warm-up result was taken back: the writer's first get() is its own
+
+
+def test_the_checkpoint_writers_helper_ends_with_a_killed_trainer():
+    """A trainer rank killed (torchrun stopping a stuck run, the OOM killer) leaves no helper process behind."""
+    import signal
+    import subprocess
+    import sys
+
+    import psutil
+
+    script = ("from megatron_dapo.checkpoint.mcore_checkpoint import start_writer_helper\n"
+              "start_writer_helper().join()\nprint('up', flush=True)\nimport time\ntime.sleep(600)\n")
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "up"
+        helpers = psutil.Process(proc.pid).children(recursive=True)
+        assert helpers  # the manager (and multiprocessing's resource tracker)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    _, alive = psutil.wait_procs(helpers, timeout=30)
+    assert not alive, [p.cmdline() for p in alive]

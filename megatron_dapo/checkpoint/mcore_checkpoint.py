@@ -8,7 +8,11 @@ and `hf/` (the source config.json and tokenizer files), so it converts back to H
 from __future__ import annotations
 
 import json
+import multiprocessing
+import os
 import threading
+import time
+from multiprocessing.managers import SyncManager
 from pathlib import Path
 
 import torch
@@ -19,21 +23,36 @@ META = "megatron_dapo.json"
 HF_SUBDIR = "hf"
 
 
+def _exit_with_parent(parent_pid: int) -> None:
+    """The writer helper's initializer: it ends once the process that started it is gone (killed, or exited without
+    running its finalizers), so a stopped run leaves no process behind."""
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(0.5)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+
+
 def start_writer_helper() -> threading.Thread:
     """Start, in the background, the helper process megatron-core's checkpoint writer (torch_dist) hands its
     results through; join the thread before the first save. Otherwise the writer spawns it at its first save,
-    and the helper imports torch when it unpickles the first results: seconds on the step that checkpoints. One
-    per process, kept for the rest of it."""
+    and the helper imports torch when it unpickles the first results: seconds on the step that checkpoints; and
+    nothing ends it when the trainer is killed. One per process, kept for the rest of it."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import MetadataIndex
     from torch.distributed.checkpoint.storage import WriteResult
 
     def start() -> None:
-        queue = filesystem_async._get_write_results_queue()
+        manager = SyncManager(ctx=multiprocessing.get_context("spawn"))  # what megatron-core's own would be
+        manager.start(initializer=_exit_with_parent, initargs=(os.getpid(),))
+        queue = manager.Queue()
         # A result like the writer's: the helper imports what unpickling them takes (torch's checkpoint modules).
         queue.put(WriteResult(MetadataIndex("warm-up"), 0, _StorageInfo("warm-up", 0, 0)))
         queue.get()
+        filesystem_async._results_queue = queue  # the writer's, found in place at its first save
 
     thread = threading.Thread(target=start, name="checkpoint-writer-helper", daemon=True)
     thread.start()
