@@ -12,6 +12,8 @@ import json
 import sys
 import threading
 import time
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -117,6 +119,68 @@ def test_bad_routes_and_sizes_are_refused_by_name(tmp_path):
     with pytest.raises(ValueError, match="work_dir is required for the disk route"):
         make_weight_syncer("disk", ["http://127.0.0.1:1"], spec, parallel, {})
 
+
+
+@contextmanager
+def answering(reply: dict):
+    """An HTTP endpoint on a free port answering every POST with `reply`, recording the paths posted to: a
+    server up for the calls a test makes before it shuts it down (the port then refuses, as a killed one's)."""
+    posted = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            posted.append(self.path)
+            body = json.dumps(reply).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=http.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{http.server_address[1]}", posted, http
+    finally:
+        http.shutdown()
+        http.server_close()
+
+
+def test_a_server_killed_while_paused_for_a_live_push_is_not_asked_to_go_on(caplog):
+    """rollout.mode async pushes the weights while the servers sample: a server killed between the pause and the
+    continue is down (its restart is not paused), not a failed sync that ends the run."""
+    with answering({"success": True}) as (killed, killed_posts, http), \
+            answering({"success": True}) as (alive, alive_posts, _):
+        with server_calls.generation_paused([killed, alive, "http://127.0.0.1:1"], 5) as up:
+            assert up == [killed, alive]  # the one down before the pause is left out of the update
+            http.shutdown()
+            http.server_close()  # killed in the update
+    assert killed_posts == ["/pause_generation"] and alive_posts == ["/pause_generation", "/continue_generation"]
+    assert f"{killed}/continue_generation: server unreachable" in caplog.text
+
+
+def test_the_disk_route_leaves_out_a_server_killed_before_its_load_and_raises_a_refusal(monkeypatch, tmp_path,
+                                                                                         caplog):
+    """The servers load the exported folder: one that does not answer is down (the rollout engine restarts it and
+    the trainer resyncs it then), left out with a warning; one that answers with a refusal fails the sync."""
+    from megatron_dapo.weight_sync import disk
+
+    monkeypatch.setattr(disk, "export_hf_checkpoint", lambda model, spec, parallel, folder, hf_config: folder.mkdir())
+    monkeypatch.setattr(disk.dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(disk.dist, "barrier", lambda: None)
+    dead = "http://127.0.0.1:1"
+    with answering({"success": True}) as (alive, posted, _):
+        syncer = disk.DiskSyncer([dead, alive], None, None, {}, tmp_path)
+        assert syncer.sync(None, "1") is not None
+        assert posted == ["/update_weights_from_disk"] and syncer.loaded == tmp_path / "weights-1"
+    assert f"{dead}/update_weights_from_disk: server unreachable" in caplog.text
+    with answering({"success": False, "message": "shapes differ"}) as (refusing, _, _):
+        with pytest.raises(server_calls.WeightUpdateError, match="update_weights_from_disk: shapes differ"):
+            disk.DiskSyncer([refusing], None, None, {}, tmp_path).sync(None, "2")
 
 
 def test_a_failed_push_walks_on_ends_the_update_meets_the_barrier_and_raises_its_cause(monkeypatch):

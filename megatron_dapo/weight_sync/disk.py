@@ -20,12 +20,13 @@ from megatron_dapo.checkpoint.hf_export import export_hf_checkpoint
 from megatron_dapo.config import ParallelConfig
 from megatron_dapo.policy.hf_config import ModelSpec
 from megatron_dapo.weight_sync.metrics import SyncMetrics
-from megatron_dapo.weight_sync.server_calls import call_all
+from megatron_dapo.weight_sync.server_calls import call_up
 
 
 def sync_weights_via_disk(model, spec, parallel, *, server_urls: list[str], directory, version: str,
                           hf_config: dict, timeout_s: float = 600.0) -> SyncMetrics | None:
-    """Returns the metrics on global rank 0, None elsewhere; raises if any server refuses the update."""
+    """Returns the metrics on global rank 0, None elsewhere; raises if any server refuses the update (one that
+    does not answer is down, left out)."""
     start = time.perf_counter()
     folder = Path(directory) / f"weights-{version}"
     if dist.get_rank() == 0 and folder.exists():  # left by a run that stopped after exporting this version
@@ -34,8 +35,9 @@ def sync_weights_via_disk(model, spec, parallel, *, server_urls: list[str], dire
     export_hf_checkpoint(model, spec, parallel, folder, hf_config=hf_config)
     metrics = None
     if dist.get_rank() == 0:
-        call_all(server_urls, "/update_weights_from_disk",
-                 {"model_path": str(folder), "weight_version": version, "flush_cache": True}, timeout_s)
+        # A server killed meanwhile (it may be sampling: rollout.mode async) is left out: its restart loads it.
+        call_up(server_urls, "/update_weights_from_disk",
+                {"model_path": str(folder), "weight_version": version, "flush_cache": True}, timeout_s)
         nbytes = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
         metrics = SyncMetrics(nbytes, time.perf_counter() - start)
     dist.barrier()

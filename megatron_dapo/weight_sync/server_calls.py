@@ -61,6 +61,22 @@ def call_all(urls: list[str], endpoint: str, payload: dict | Callable[[int], dic
         f.result()
 
 
+def call_up(urls: list[str], endpoint: str, payload: dict, timeout_s: float) -> list[str]:
+    """`endpoint` on every server at once; the servers that answered. One that does not answer is down: logged
+    and left out (the rollout engine restarts a dead server on its next failed call, and the trainer resyncs
+    it then); any other failure is raised, the first, after all have answered."""
+    with ThreadPoolExecutor(max_workers=max(len(urls), 1)) as pool:
+        futures = call_each(pool, urls, endpoint, lambda _: payload, timeout_s)
+    up = []
+    for url, f in zip(urls, futures):
+        try:
+            f.result()
+            up.append(url)
+        except ServerUnreachable as e:
+            log.warning("weight push: %s; down, left out", e)
+    return up
+
+
 @contextmanager
 def generation_paused(urls: list[str], timeout_s: float) -> Iterator[list[str]]:
     """Pause the servers' generation for a weight update pushed while they sample, then let it go on. The
@@ -68,20 +84,13 @@ def generation_paused(urls: list[str], timeout_s: float) -> Iterator[list[str]]:
     update flushes the cache (no KV of the old weights stays), and on continuing each recomputes its prompt and
     tokens so far under the new weights and samples the rest with them, which the server records per response
     (its weight-version spans: the partial rollouts of rollout.mode async). Yields the servers paused: one that
-    does not answer is down, left out of the update (whoever restarts it gives it the weights then)."""
-    with ThreadPoolExecutor(max_workers=max(len(urls), 1)) as pool:
-        pauses = call_each(pool, urls, "/pause_generation", lambda _: {"mode": "retract"}, timeout_s)
-    paused = []
-    for url, pause in zip(urls, pauses):
-        try:
-            pause.result()
-            paused.append(url)
-        except ServerUnreachable as e:
-            log.warning("weight push: %s; left out of this update", e)
+    does not answer is down, left out of the update; one that dies during the update is not asked to go on (a
+    restarted server is not paused)."""
+    paused = call_up(urls, "/pause_generation", {"mode": "retract"}, timeout_s)
     try:
         yield paused
     finally:
-        call_all(paused, "/continue_generation", {}, timeout_s)
+        call_up(paused, "/continue_generation", {}, timeout_s)
 
 
 def server_info(url: str, timeout_s: float = 30.0) -> dict:
