@@ -30,8 +30,9 @@ $(VENV)/.built: $(VENV)/.deps $(wildcard csrc/*)
 demo: setup
 	$(VENV)/bin/megatron-dapo demo
 
+# --durations: CI's log lists the 30 slowest tests, where to look when the suite outgrows its time budget.
 test: setup
-	$(PY) -m pytest tests -ra --timeout=900
+	$(PY) -m pytest tests -ra --timeout=900 --durations=30
 
 bench: setup
 	$(PY) bench/bench_dapo_loss.py
