@@ -10,7 +10,7 @@ TORCH := torch==2.14.1 torchvision==0.29.1
 # Keep in step with setup.py's SGLANG_VERSION.
 SGLANG := sglang==0.5.23
 
-.PHONY: setup demo test bench test-gpu
+.PHONY: setup demo test test-fast bench test-gpu
 
 setup: $(VENV)/.built
 
@@ -33,6 +33,12 @@ demo: setup
 # --durations: CI's log lists the 30 slowest tests, where to look when the suite outgrows its time budget.
 test: setup
 	$(PY) -m pytest tests -ra --timeout=900 --durations=30
+
+# While developing: the unit tests and one test of each kind of integration (a trainer run, a real SGLang
+# server, a conversion; the torchrun workers, the reward pool and the rollout service are among the unit
+# tests' fixtures), in under 5 minutes on 2 cores. CI and the README's `make test` run everything.
+test-fast: setup
+	$(PY) -m pytest tests -ra --timeout=900 --durations=10 -m "not slow or smoke"
 
 bench: setup
 	$(PY) bench/bench_dapo_loss.py

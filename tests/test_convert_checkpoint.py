@@ -25,20 +25,51 @@ pytestmark = pytest.mark.slow
 TOOL = Path(__file__).parents[1] / "tools" / "convert_checkpoint.py"
 
 
-@pytest.fixture(scope="module", params=["qwen2_tied", "qwen2", "llama", "qwen3"])
-def converted(request, tmp_path_factory):
-    kind = request.param
-    root = tmp_path_factory.mktemp(f"convert_{kind}")
-    model, _ = hf_model(kind)
-    model.save_pretrained(root / "hf", max_shard_size="60KB")
-    (root / "hf" / "tokenizer_config.json").write_text('{"model_max_length": 96}')
-    # One direction through the command-line tool, the other through the API.
-    subprocess.run([sys.executable, str(TOOL), "hf-to-mcore", "--input", str(root / "hf"), "--output",
-                    str(root / "mcore"), "--tp", "2", "--pp", "2"], check=True, capture_output=True, text=True)
-    mcore_to_hf(root / "mcore", root / "back", max_shard_bytes=100_000)
-    return kind, root
+KINDS = ["qwen2_tied", "qwen2", "llama", "qwen3"]
 
 
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, Path]:
+    """kind -> a folder with the HF model (hf/), converted at TP=2 x PP=2 (mcore/) and back (back/)."""
+    roots = {}
+    for kind in KINDS:
+        root = roots[kind] = tmp_path_factory.mktemp(f"convert_{kind}")
+        model, _ = hf_model(kind)
+        model.save_pretrained(root / "hf", max_shard_size="60KB")
+        (root / "hf" / "tokenizer_config.json").write_text('{"model_max_length": 96}')
+        # One direction through the command-line tool, the other through the API.
+        subprocess.run([sys.executable, str(TOOL), "hf-to-mcore", "--input", str(root / "hf"), "--output",
+                        str(root / "mcore"), "--tp", "2", "--pp", "2"], check=True, capture_output=True, text=True)
+        mcore_to_hf(root / "mcore", root / "back", max_shard_bytes=100_000)
+    return roots
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def converted(request, checkpoints):
+    return request.param, checkpoints[request.param]
+
+
+@pytest.fixture(scope="module")
+def loaded(checkpoints, tmp_path_factory) -> dict[str, dict]:
+    """kind -> {layout: the log-probs' agreement with transformers}: every kind in one torchrun start."""
+    out = tmp_path_factory.mktemp("loaded")
+    torchrun("mcore_load_worker.py", 4, str(out), *(f"{k}={root / 'mcore'}" for k, root in checkpoints.items()))
+    merged = {k: {} for k in checkpoints}
+    for f in out.glob("rank*.json"):
+        for kind, layouts in json.loads(f.read_text()).items():
+            merged[kind].update(layouts)
+    return merged
+
+
+@pytest.fixture(scope="module")
+def references(checkpoints, tmp_path_factory) -> dict[str, Path]:
+    """kind -> megatron-core's own save of the HF model at TP=2 x PP=2: every kind in one torchrun start."""
+    refs = {k: tmp_path_factory.mktemp(f"ref_{k}") for k in checkpoints}
+    torchrun("mcore_save_worker.py", 4, "2", "2", *(f"{root / 'hf'}={refs[k]}" for k, root in checkpoints.items()))
+    return refs
+
+
+@pytest.mark.smoke
 def test_round_trip_is_bitwise_identical(converted):
     _, root = converted
     src, back = HFCheckpoint(root / "hf"), HFCheckpoint(root / "back")
@@ -62,12 +93,9 @@ def test_transformers_loads_the_result(converted):
         assert torch.equal(reloaded(ids).logits, model(ids).logits)
 
 
-def test_loaded_at_tp1_and_tp2_pp2_matches_transformers(converted, tmp_path):
-    kind, root = converted
-    torchrun("mcore_load_worker.py", 4, str(tmp_path), str(root / "mcore"), kind)
-    merged = {}
-    for f in tmp_path.glob("rank*.json"):
-        merged.update(json.loads(f.read_text()))
+def test_loaded_at_tp1_and_tp2_pp2_matches_transformers(converted, loaded):
+    kind, _ = converted
+    merged = loaded[kind]
     assert set(merged) == {"tp1-pp1", "tp2-pp2"}
     for layout, r in merged.items():
         assert r["tokens"] == 138 and r["max_abs_logp"] < 1e-4, (layout, r)
@@ -98,16 +126,15 @@ def _same_checkpoint(a: Path, b: Path):
         assert ta.dtype == tb.dtype and torch.equal(ta, tb), key
 
 
-def test_files_equal_megatron_cores_own_save(converted, tmp_path):
+def test_files_equal_megatron_cores_own_save(converted, references, tmp_path):
     kind, root = converted
-    (tmp_path / "ref").mkdir()
-    torchrun("mcore_save_worker.py", 4, str(root / "hf"), str(tmp_path / "ref"), "2", "2")
-    _same_checkpoint(root / "mcore", tmp_path / "ref")
+    ref = references[kind]
+    _same_checkpoint(root / "mcore", ref)
     # And a checkpoint megatron-core wrote (as the trainer does) converts back to the same HF tensors.
     for name in ("megatron_dapo.json", "hf"):
         src = root / "mcore" / name
-        (shutil.copytree if src.is_dir() else shutil.copy2)(src, tmp_path / "ref" / name)
-    mcore_to_hf(tmp_path / "ref", tmp_path / "back")
+        (shutil.copytree if src.is_dir() else shutil.copy2)(src, ref / name)
+    mcore_to_hf(ref, tmp_path / "back")
     src, back = HFCheckpoint(root / "hf"), HFCheckpoint(tmp_path / "back")
     assert sorted(back.names()) == sorted(src.names())
     assert all(torch.equal(back.get(n), src.get(n)) for n in src.names())

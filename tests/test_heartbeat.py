@@ -12,7 +12,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from test_trainer_loop import config, kill_tree, launch, metrics, task  # noqa: F401 -- task: the fixture
+from test_trainer_loop import config, kill_tree, launch, metrics
 
 from megatron_dapo.rank_heartbeat import STUCK_EXIT_CODE
 from megatron_dapo.runtime import free_port
@@ -80,7 +80,7 @@ def test_a_main_thread_past_its_deadline_ends_the_run_naming_what_it_was_doing()
 
 
 @pytest.mark.slow
-def test_a_stopped_trainer_rank_at_tp2_ends_the_job_naming_it_and_leaves_no_process(task, tmp_path):  # noqa: F811
+def test_a_stopped_trainer_rank_at_tp2_ends_the_job_naming_it_and_leaves_no_process(task, tmp_path):
     """`megatron-dapo train` at TP=2 with a real SGLang server: rank 1 is stopped mid-run. Without the heartbeat
     rank 0 would wait in its next collective for parallel.distributed_timeout_minutes; with it, rank 0 names rank 1
     within parallel.heartbeat_timeout_s and exits, torchrun stops rank 1, and the rollout service stops its

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import sglang_server_as_started
 from torchrun_launch import torchrun
 
 sys.path.insert(0, str(Path(__file__).parent / "distributed"))
@@ -24,13 +25,8 @@ PROMPTS = ["What is 3 plus 4?", "Compute 12 times 3.", "If x + 2 = 5 then", "A t
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    root = tmp_path_factory.mktemp("sglang")
-    tokenizer = save_with_tokenizer(root / "model")
-    config = SGLangServerConfig(str(root / "model"), device="cpu", dtype="float32", max_total_tokens=8192,
-                                startup_timeout_s=300)
-    with SGLangServer(config, root / "server.log") as srv:
-        yield srv, tokenizer, root
+def server(shared_sglang):
+    return sglang_server_as_started(shared_sglang)
 
 
 class OriginalLogprobServer(SGLangServer):
@@ -54,6 +50,7 @@ def rollout(rollouts):
     return rollouts[1.0]
 
 
+@pytest.mark.smoke
 def test_eight_prompts_times_four_samples(rollout):
     prompts, groups, _ = rollout
     assert [len(g) for g in groups] == [4] * 8
@@ -101,6 +98,9 @@ def test_servers_given_by_url_are_checked_for_tempered_logprobs(server, tmp_path
     with OriginalLogprobServer(config, tmp_path / "original.log") as original:
         cases = [f"{srv.url}@0.7", f"{original.url}@0.7", f"{original.url}@1.0"]
         torchrun("logprob_check_worker.py", 2, str(tmp_path / "out.json"), str(root / "model"), "1", "2", *cases)
+    # Stopped as a server is meant to stop: its main process ends its children, and SGLang does not take a child's
+    # exit for a crash (which made it wait 5 s for diagnostics before exiting).
+    assert "crashed" not in (tmp_path / "original.log").read_text()
     result = json.loads((tmp_path / "out.json").read_text())
     good, bad, at_one = (result[c] for c in cases)
     assert all(r["same_on_every_rank"] and r["model_left_training"] for r in result.values())

@@ -4,7 +4,8 @@ Disaggregated: one fake node trains on the CPU, the other serves SGLang. A job r
 job, whose SGLang step is cancelled, fails naming that step and leaves no process behind; a third (the same
 script again) resumes from the first job's checkpoint. Colocated: both nodes train and serve, each node's
 first trainer pushing the weights to the server beside it, the servers releasing their memory while the
-trainer trains."""
+trainer trains; a trainer task stopped there fails the job, naming it, and the same script resumes it. One
+job per fact would start twice the servers and trainers: the colocated layout is checked on the resumed job."""
 
 import json
 import os
@@ -16,7 +17,6 @@ import time
 from pathlib import Path
 
 import pytest
-from test_trainer_loop import task  # noqa: F401  (the tiny warm-started model and its data)
 
 from megatron_dapo.config import RolloutConfig
 from megatron_dapo.slurm.allocation import AllocationError, Node, colocate_nodes, job_nodes, split_nodes
@@ -141,7 +141,7 @@ def assert_no_process_left(*texts: str) -> None:
 
 
 @pytest.mark.slow
-def test_train_then_sglang_step_killed_then_resume(cluster, task, tmp_path):  # noqa: F811
+def test_train_then_sglang_step_killed_then_resume(cluster, task, tmp_path):
     """Disaggregated, in rollout.mode one_step_off (then async): the server samples the next batch while the
     trainer trains."""
     out = tmp_path / "run"
@@ -184,34 +184,6 @@ def test_train_then_sglang_step_killed_then_resume(cluster, task, tmp_path):  # 
     assert_no_process_left(str(tmp_path), str(task))
 
 
-@pytest.mark.slow
-def test_colocated_job_on_two_nodes(cluster, task, tmp_path):  # noqa: F811
-    out = tmp_path / "run"
-    out.mkdir()
-    colocated = ("rollout.colocate=true", "rollout.weight_sync=tensor")
-    # ROLLOUT_NODES asks for separate rollout nodes: refused by name before anything starts
-    job = submit({**cluster, "ROLLOUT_NODES": "1"}, out, task, *colocated)
-    state, _ = wait_job(cluster, job, out)
-    assert state == "FAILED" and "launch: FAILED: ROLLOUT_NODES / --rollout-nodes (1)" in job_output(out, job)
-
-    job = submit(cluster, out, task, *colocated)
-    state, code = wait_job(cluster, job, out)
-    assert (state, code) == ("COMPLETED", "0:0"), job_output(out, job)
-    text = (out / f"dapo-{job}.out").read_text()
-    assert 'rollout.server_nodes=["n1", "n2"]' in text and "launch: training finished" in text
-    records = metrics(out)
-    assert [r["step"] for r in records] == [1, 2]
-    for r in records:  # both servers were released after the rollout and resumed around the sync
-        assert r["time/release"] > 0 and r["time/resume"] > 0, r
-    assert (out / "checkpoints" / "step_000002" / "COMPLETE").is_file()
-    for i in (0, 1):  # each server paused, released, resumed, and took its weights as tensors, twice
-        log = (out / "slurm" / f"job-{job}" / f"sglang-{i}.log").read_text()
-        for endpoint in ("pause_generation", "release_memory_occupation", "resume_memory_occupation",
-                         "update_weights_from_tensor", "continue_generation"):
-            assert log.count(f"POST /{endpoint} HTTP/1.1\" 200") >= 2, (i, endpoint)
-    assert_no_process_left(str(tmp_path), str(task))
-
-
 def trainer_task(procid: int) -> int:
     """The pid of the `megatron-dapo train` task with this SLURM_PROCID (its global rank)."""
     for proc in Path("/proc").iterdir():
@@ -226,13 +198,21 @@ def trainer_task(procid: int) -> int:
 
 
 @pytest.mark.slow
-def test_a_stopped_trainer_task_fails_the_job_naming_it_and_resubmitting_resumes(cluster, task, tmp_path):  # noqa: F811
-    """Both nodes train (colocated, one task each). The task of rank 1 is stopped after the first checkpoint:
-    rank 0's heartbeat names it (node, pid) within parallel.heartbeat_timeout_s, the train step fails, the
-    launcher stops every step; the same script again resumes from that checkpoint."""
+def test_colocated_job_on_two_nodes_a_stopped_trainer_task_fails_it_naming_it_and_resubmitting_resumes(
+        cluster, task, tmp_path):
+    """Colocated: both nodes train (one task each) and serve, each node's first trainer pushing the weights as
+    tensors to the server beside it, the servers releasing their memory while the trainer trains. ROLLOUT_NODES is
+    refused first. The task of rank 1 is stopped after the first checkpoint: rank 0's heartbeat names it (node,
+    pid) within parallel.heartbeat_timeout_s, the train step fails, the launcher stops every step; the same script
+    again resumes from that checkpoint and trains to the end in the colocated layout."""
     out = tmp_path / "run"
     out.mkdir()
     settings = ("rollout.colocate=true", "rollout.weight_sync=tensor", "parallel.heartbeat_timeout_s=10")
+    # ROLLOUT_NODES asks for separate rollout nodes: refused by name before anything starts
+    job = submit({**cluster, "ROLLOUT_NODES": "1"}, out, task, *settings)
+    state, _ = wait_job(cluster, job, out)
+    assert state == "FAILED" and "launch: FAILED: ROLLOUT_NODES / --rollout-nodes (1)" in job_output(out, job)
+
     job = submit(cluster, out, task, "train.steps=30", *settings)
     marker = out / "checkpoints" / "step_000001" / "COMPLETE"
     deadline = time.monotonic() + 900
@@ -251,9 +231,22 @@ def test_a_stopped_trainer_task_fails_the_job_naming_it_and_resubmitting_resumes
     assert "launch: FAILED: step 'train' on n1,n2 exited with code" in text
     assert_no_process_left(str(tmp_path), str(task))
 
+    resumed_from = len(metrics(out))
     job = submit(cluster, out, task, "train.steps=4", *settings)
     state, code = wait_job(cluster, job, out)
     assert (state, code) == ("COMPLETED", "0:0"), job_output(out, job)
-    assert "resumed from" in job_output(out, job)
-    steps = [r["step"] for r in metrics(out)]
-    assert steps[-1] == 4 and (out / "checkpoints" / "step_000004" / "COMPLETE").is_file()
+    text = (out / f"dapo-{job}.out").read_text()
+    assert "resumed from" in text
+    assert 'rollout.server_nodes=["n1", "n2"]' in text and "launch: training finished" in text
+    records = metrics(out)
+    assert records[-1]["step"] == 4 and (out / "checkpoints" / "step_000004" / "COMPLETE").is_file()
+    resumed = records[resumed_from:]
+    assert [r["step"] for r in resumed][-3:] == [2, 3, 4]
+    for r in resumed:  # both servers were released after the rollout and resumed around the sync
+        assert r["time/release"] > 0 and r["time/resume"] > 0, r
+    for i in (0, 1):  # each server paused, released, resumed, and took its weights as tensors, at least twice
+        log = (out / "slurm" / f"job-{job}" / f"sglang-{i}.log").read_text()
+        for endpoint in ("pause_generation", "release_memory_occupation", "resume_memory_occupation",
+                         "update_weights_from_tensor", "continue_generation"):
+            assert log.count(f"POST /{endpoint} HTTP/1.1\" 200") >= 2, (i, endpoint)
+    assert_no_process_left(str(tmp_path), str(task))

@@ -11,6 +11,8 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import psutil
@@ -18,33 +20,11 @@ import pytest
 import yaml
 
 from megatron_dapo.checkpoint.trainer_checkpoint import latest_checkpoint
-from megatron_dapo.data.held_out_split import split_held_out
-from megatron_dapo.data.prompt_encoding import encode_prompt
-from megatron_dapo.data.prompt_file import write_rows
-from megatron_dapo.data.synthetic_math import generate_rows
-from megatron_dapo.demo.tiny_model import make_tiny_model
-from megatron_dapo.demo.warm_start import supervised_warm_start
 from megatron_dapo.runtime import free_port
 
 pytestmark = pytest.mark.slow
 TIMING = ("time/", "tokens_per_s")
 FAULT_LAUNCHER = Path(__file__).parent / "distributed" / "fault_launcher.py"
-
-
-@pytest.fixture(scope="module")
-def task(tmp_path_factory):
-    """Data files and a tiny model warm-started just enough to get some sums right."""
-    root = tmp_path_factory.mktemp("task")
-    rows = generate_rows(1200, 0, digits=1, operations="+", num_operands=2, style="short")
-    train, held_out = split_held_out(rows, 20, 0)
-    write_rows(root / "train.jsonl", train)
-    write_rows(root / "eval.jsonl", held_out)
-    corpus = [r["prompt"][0]["content"] + r["extra_info"]["solution"] for r in rows]
-    tok = make_tiny_model(root / "base", corpus, seed=0, hidden=64, layers=2)
-    pairs = [(encode_prompt(tok, r["prompt"]), tok.encode(r["extra_info"]["solution"]) + [tok.eos_token_id])
-             for r in train]
-    supervised_warm_start(root / "base", root / "model", pairs, target_accuracy=0.2, max_steps=600, batch_size=32)
-    return root
 
 
 def config(task: Path, out: Path, **sections) -> Path:
@@ -107,6 +87,7 @@ def local_runs(task, tmp_path_factory):
     return outs
 
 
+@pytest.mark.smoke
 def test_local_engine_loop_trains_and_checkpoints(local_runs):
     out = local_runs["recompute"]
     records = metrics(out)
@@ -149,6 +130,18 @@ def kill_tree(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
+@contextmanager
+def beside(cfg: Path, nproc: int) -> Iterator[subprocess.Popen]:
+    """The run of `cfg` launched to go on beside what the block does (the uninterrupted run beside the one to be
+    killed: their start-ups overlap); killed if the block fails before it ends."""
+    proc = launch(cfg, nproc)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc)
+
+
 def kill_after_checkpoint(cfg: Path, out: Path, step: int, nproc: int) -> Path:
     """Launch the run and SIGKILL it, all of it, once the checkpoint of `step` is complete; returns that
     checkpoint's folder."""
@@ -169,12 +162,12 @@ def test_sglang_tp2_killed_and_resumed_matches_an_uninterrupted_run(task, tmp_pa
     full_out = tmp_path / "full"
     full = config(task, full_out, **sections, train={"steps": 4, "checkpoint_every": 3},
                   eval={"every": 0})
-    finish(launch(full, 2), full)
-
     out = tmp_path / "resumed"
     cfg = config(task, out, **sections, train={"steps": 4, "checkpoint_every": 3},
                   eval={"every": 0})
-    kill_after_checkpoint(cfg, out, 3, 2)  # step 4 has started or is about to
+    with beside(full, 2) as uninterrupted:
+        kill_after_checkpoint(cfg, out, 3, 2)  # step 4 has started or is about to
+        finish(uninterrupted, full)
     finish(launch(cfg, 2), cfg)  # resumes from step 3
 
     want, got = metrics(full_out), metrics(out)
@@ -241,7 +234,11 @@ def test_sglang_one_step_off_samples_beside_training_and_resumes_with_its_buffer
                     eval={"every": 0})
     full_out = tmp_path / "full"
     full = config(task, full_out, **sections)
-    finish(launch(full, 1), full)
+    out = tmp_path / "resumed"
+    cfg = config(task, out, **sections)
+    with beside(full, 1) as uninterrupted:
+        checkpoint = kill_after_checkpoint(cfg, out, 2, 1)  # step 3 is training on the buffered batch, or about to
+        finish(uninterrupted, full)
     want = metrics(full_out)
     assert [r["weight_version"] for r in want] == [0, 0, 1, 2]  # the first batch waits for the initial weights
     assert [r["staleness"] for r in want] == [0, 1, 1, 1]
@@ -251,9 +248,6 @@ def test_sglang_one_step_off_samples_beside_training_and_resumes_with_its_buffer
         assert 0 < r["tis/weight_mean"] <= 2.0
     assert "time/rollout_wait" in want[0] and "time/rollout_wait" not in want[3]  # nothing sampled past the end
 
-    out = tmp_path / "resumed"
-    cfg = config(task, out, **sections)
-    checkpoint = kill_after_checkpoint(cfg, out, 2, 1)  # step 3 is training on the buffered batch, or about to
     assert (checkpoint / "driver" / "rollout_buffer.pt").is_file()
     finish(launch(cfg, 1), cfg)  # resumes from step 2 with the batch sampled for step 3
 

@@ -18,10 +18,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import sglang_server_as_started
 from torchrun_launch import torchrun
 
 sys.path.insert(0, str(Path(__file__).parent / "distributed"))
-from tiny_models import hf_model, save_with_tokenizer  # noqa: E402
+from tiny_models import hf_model  # noqa: E402
 
 from megatron_dapo.checkpoint.hf_mapping import hf_names, hf_shape, megatron_names  # noqa: E402
 from megatron_dapo.config import ParallelConfig  # noqa: E402
@@ -34,13 +35,9 @@ BUCKET_MB = 0.05  # the tiny model spreads over many buckets, and its embedding 
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    root = tmp_path_factory.mktemp("sglang")
-    save_with_tokenizer(root / "model")
-    config = SGLangServerConfig(str(root / "model"), device="cpu", dtype="float32", max_total_tokens=8192,
-                                startup_timeout_s=300)
-    with SGLangServer(config, root / "server.log") as srv:
-        yield srv, root
+def server(shared_sglang):
+    srv, _, root = sglang_server_as_started(shared_sglang)
+    return srv, root
 
 
 @pytest.fixture(scope="module")
@@ -119,6 +116,27 @@ def test_bad_routes_and_sizes_are_refused_by_name(tmp_path):
     with pytest.raises(ValueError, match="work_dir is required for the disk route"):
         make_weight_syncer("disk", ["http://127.0.0.1:1"], spec, parallel, {})
 
+
+
+
+def test_the_shm_manager_of_the_tensor_route_holds_no_output_of_the_trainer(tmp_path):
+    """On the CPU the tensor route starts torch's shm manager. A rank that ends without its exit handlers (a stuck
+    rank's os._exit, a SIGKILL) leaves the manager running while the servers hold it: holding the rank's stderr,
+    it kept a SLURM step's output open, and slurmstepd waited 60 s before it ended the failed step."""
+    import subprocess
+
+    script = ("import os, psutil\n"
+              "from megatron_dapo.weight_sync.tensor import shared_buffer, use_file_system_sharing\n"
+              "use_file_system_sharing()\n"
+              "import torch; shared_buffer(64, torch.device('cpu'))\n"
+              "(manager,) = [c for c in psutil.Process().children(recursive=True) if c.name() == 'torch_shm_manager']\n"
+              "print(os.readlink(f'/proc/{manager.pid}/fd/2'))\n"
+              "print(os.readlink('/proc/self/fd/2'))\n")
+    with open(tmp_path / "stderr", "w") as err:
+        out = subprocess.run([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=err, text=True,
+                             check=True, timeout=120).stdout.split()
+    managers_stderr, ours = out
+    assert ours == str(tmp_path / "stderr") and managers_stderr != ours
 
 
 @contextmanager

@@ -139,7 +139,9 @@ class ServerProcess:
             return
         group = self.proc.pid  # its own session: the group holds every process it started
         try:
-            os.killpg(group, signal.SIGTERM)
+            # SIGTERM to the main process alone: it shuts its children down itself. Signalled too, a child exits
+            # first, which SGLang takes for a crash and waits 5 s for diagnostics before it exits.
+            os.kill(self.proc.pid, signal.SIGTERM)
             os.killpg(group, signal.SIGCONT)  # a stopped (stuck) server takes its SIGTERM once it runs again
             self.proc.wait(timeout=grace_s)
         except ProcessLookupError:

@@ -20,6 +20,7 @@ import io
 import os
 import signal
 import socket
+import sys
 from collections.abc import Sequence
 from multiprocessing.reduction import ForkingPickler
 
@@ -56,12 +57,29 @@ def _end_shm_managers() -> None:
             os.kill(child.pid, signal.SIGTERM)
 
 
+def _start_shm_manager_without_our_stderr() -> None:
+    """Start the manager now, with /dev/null for the stderr it inherits (its stdout is a pipe of torch's own). A
+    manager that outlives this process (an os._exit or a SIGKILL runs no exit handler; the servers hold it) would
+    hold our stderr open, and a SLURM step ends only once its output closes: slurmstepd waited 60 s for it. A line
+    another thread writes to stderr in this instant is lost."""
+    sys.stderr.flush()
+    ours, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, 2)
+        torch.empty(1).share_memory_()  # the first share starts the manager; later ones reuse its connection
+    finally:
+        os.dup2(ours, 2)
+        os.close(ours)
+        os.close(null)
+
+
 def use_file_system_sharing() -> None:
     """Share CPU tensors by file name, and end the manager that starts when this process exits: the
-    servers hold a connection to it, so it would outlive us and keep our stdout open. (Ending it any
-    earlier breaks this process's later shares, which reuse its connection.)"""
+    servers hold a connection to it, so it would outlive us. (Ending it any earlier breaks this process's
+    later shares, which reuse its connection.)"""
     if torch.multiprocessing.get_sharing_strategy() != "file_system":
         torch.multiprocessing.set_sharing_strategy("file_system")
+        _start_shm_manager_without_our_stderr()
         atexit.register(_end_shm_managers)
 
 

@@ -1,6 +1,7 @@
-"""torchrun worker: a converted distributed checkpoint loaded at several layouts, log-probs vs transformers.
+"""torchrun worker: converted distributed checkpoints loaded at several layouts, log-probs vs transformers.
 
-argv: OUT_DIR MCORE_DIR KIND; writes OUT_DIR/rank{r}.json with {layout: {max_abs_logp, tokens}}.
+argv: OUT_DIR KIND=MCORE_DIR...; writes OUT_DIR/rank{r}.json with {kind: {layout: {max_abs_logp, tokens}}}.
+Every checkpoint in one process start: the layouts are set up anew per model, the processes are not.
 """
 
 import json
@@ -17,7 +18,7 @@ from megatron_dapo.policy.model import build_model
 from megatron_dapo.runtime import init_runtime, reset_parallel_layout, shutdown_runtime
 
 
-def main(out_dir, mcore_dir, kind):
+def check(kind: str, mcore_dir: str) -> dict:
     from megatron.core import parallel_state
 
     hf, cfg = hf_model(kind)
@@ -36,10 +37,15 @@ def main(out_dir, mcore_dir, kind):
                                 max_tokens_per_micro_batch=130, device=runtime.device)
         if out is not None:
             results[f"tp{tp}-pp{pp}"] = {
-                "max_abs_logp": max((o[0].double() - r[0]).abs().max().item() for o, r in zip(out, ref)),
+                "max_abs_logp": max((o[0].double().cpu() - r[0]).abs().max().item() for o, r in zip(out, ref)),
                 "tokens": sum(o[0].numel() for o in out),
             }
         reset_parallel_layout()
+    return results
+
+
+def main(out_dir, *checkpoints):
+    results = {kind: check(kind, mcore_dir) for kind, mcore_dir in (c.split("=", 1) for c in checkpoints)}
     with open(os.path.join(out_dir, f"rank{os.environ['RANK']}.json"), "w") as f:
         json.dump(results, f)
     shutdown_runtime()

@@ -1,7 +1,7 @@
-"""torchrun worker: megatron-core's own dist_checkpointing.save of a Hugging Face model at TP x PP, the
-reference the streaming converter's files are compared with.
+"""torchrun worker: megatron-core's own dist_checkpointing.save of Hugging Face models at TP x PP, the
+references the streaming converter's files are compared with.
 
-argv: HF_DIR OUT_DIR TP PP (world size TP x PP)."""
+argv: TP PP HF_DIR=OUT_DIR... (world size TP x PP); every model in one process start."""
 
 import sys
 
@@ -16,16 +16,17 @@ from megatron_dapo.policy.model import build_model
 from megatron_dapo.runtime import init_runtime, shutdown_runtime
 
 
-def main(hf_dir, out_dir, tp, pp):
+def main(tp, pp, *pairs):
     parallel = ParallelConfig(tensor_parallel=int(tp), pipeline_parallel=int(pp), device="cpu")
     init_runtime(parallel)
-    ckpt = HFCheckpoint(hf_dir)
-    spec = model_spec_from_hf(ckpt.config)
-    model = build_model(spec, parallel, pre_process=parallel_state.is_pipeline_first_stage(),
-                        post_process=parallel_state.is_pipeline_last_stage(),
-                        params_dtype=ckpt.get("model.embed_tokens.weight").dtype, initialize=False)
-    load_hf_weights(model, ckpt.get, spec, parallel)
-    save_model(model, out_dir)
+    for hf_dir, out_dir in (p.split("=", 1) for p in pairs):
+        ckpt = HFCheckpoint(hf_dir)
+        spec = model_spec_from_hf(ckpt.config)
+        model = build_model(spec, parallel, pre_process=parallel_state.is_pipeline_first_stage(),
+                            post_process=parallel_state.is_pipeline_last_stage(),
+                            params_dtype=ckpt.get("model.embed_tokens.weight").dtype, initialize=False)
+        load_hf_weights(model, ckpt.get, spec, parallel)
+        save_model(model, out_dir)
     shutdown_runtime()
 
 
