@@ -83,8 +83,10 @@ def test_sglang_logprobs_equal_the_megatron_policy(rollouts, tmp_path, tp, tempe
 
 def test_servers_we_start_drop_sglang_return_original_logprob(tmp_path, monkeypatch):
     monkeypatch.setenv("SGLANG_RETURN_ORIGINAL_LOGPROB", "1")
-    env = SGLangServer(SGLangServerConfig("m", device="cpu"), tmp_path / "log").environment()
+    server = SGLangServer(SGLangServerConfig("m", device="cpu"), tmp_path / "log")
+    env = server.environment()
     assert "SGLANG_RETURN_ORIGINAL_LOGPROB" not in env and env["SGLANG_USE_CPU_ENGINE"] == "1"
+    assert "--sleep-on-idle" in server.command()  # an idle CPU server does not spin on a core the trainer needs
     assert os.environ["SGLANG_RETURN_ORIGINAL_LOGPROB"] == "1"  # the caller's own environment is left alone
 
 
