@@ -16,9 +16,11 @@ completes.
 
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import threading
+import weakref
 from collections.abc import Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from datetime import timedelta
@@ -148,11 +150,20 @@ class DistributedSyncer:
         daemon, not to hold up the process's exit. The servers drop their side when the next sync forms the
         group anew."""
         held.append(self.group)
+        group = weakref.ref(self.group)
         self.group, self.broken = None, True
 
         def release() -> None:
-            dist.destroy_process_group(held[-1])
-            held.clear()
+            try:
+                dist.destroy_process_group(held[-1])
+            finally:
+                held.clear()
+                gc.collect()  # the failure's traceback cycles hold frames that may hold the group's collectives
+                if group() is not None:
+                    log.warning("weight sync: the dropped weight-update group is still referenced (%s); the servers "
+                                "left in its broadcast wait out rollout.weight_sync_timeout_s (%.0f s)",
+                                ", ".join(sorted({type(r).__name__ for r in gc.get_referrers(group())})),
+                                self.timeout_s)
 
         threading.Thread(target=release, daemon=True).start()
 
