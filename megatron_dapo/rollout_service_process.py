@@ -53,11 +53,16 @@ class RolloutServiceProcess:
         self._jobs: collections.deque[str] = collections.deque()  # queued, results not taken; oldest first
         self._results: collections.deque[tuple] = collections.deque()  # of the oldest jobs, received
         self.restarted: str | None = None
+        self.server_urls: list[str] = []  # once up
+
+    def wait_up(self) -> None:
+        """Until the service is up, its servers healthy (the caller sets up meanwhile); raises its start-up
+        error."""
         kind, value = self._recv(max(self.silence_s, STARTUP_SILENCE_S))  # its first beat comes after its imports
         if kind != "up":
             self._proc.join(STOP_TIMEOUT_S)
             raise RolloutServiceError(f"the rollout service did not start: {value}")
-        self.server_urls: list[str] = value
+        self.server_urls = value
 
     def _recv(self, silence_s: float | None = None) -> tuple:
         """The service's next message, its beats skipped."""
@@ -183,17 +188,24 @@ def _serve(cfg: DapoConfig, dp_size: int, conn) -> None:
                      daemon=True).start()
     engine = service = None
     try:
+        # The servers start (minutes on GPUs) while the service loads its tokenizer, data and reward workers.
         engine = sglang_engine(cfg.rollout, cfg.model.path, Path(cfg.train.output_dir) / "sglang",
-                               on_server_restart=lambda url: service.jobs.server_restarted(url))
+                               on_server_restart=lambda url: service.jobs.server_restarted(url), wait=False)
         service = RolloutService(cfg, engine, dp_size)
-        conn.send(("up", server_urls(engine)))
+        engine.wait_launched()
     except BaseException as e:  # noqa: BLE001 -- reported to the driver, which raises it
         log.exception("the rollout service did not start")
-        conn.send(("failed", f"{type(e).__name__}: {e}"))
-        if engine is not None:
+        if service is not None:
+            service.close()  # its reward workers, and the engine
+        elif engine is not None:
             engine.close()
+        try:
+            conn.send(("failed", f"{type(e).__name__}: {e}"))
+        except OSError:  # the driver is gone too
+            pass
         return
     try:
+        conn.send(("up", server_urls(engine)))
         _answer(service, conn, cfg.rollout.job_timeout_s)
     except (EOFError, OSError):
         log.warning("the driver is gone: stopping the rollout service")

@@ -91,6 +91,13 @@ class DapoTrainer:
         self.hf_config = hf.config
         self.spec = model_spec_from_hf(hf.config)
         hf.validate(self.spec)
+        if cfg.rollout.engine == "sglang":
+            self._share_server_key()
+        # The rollout service's process and its servers start first: they take minutes on GPUs, beside the
+        # policy's build and load below. Colocated servers start after it, as before: they share its GPUs, and
+        # their memory was sized (rollout.server_extra_args) with the policy's allocated first.
+        early = self.driver and cfg.rollout.engine == "sglang" and not cfg.rollout.colocate
+        starting = self._start_rollout_service() if early else None
         self.policy = PolicyTrainer(self.spec, cfg.parallel, self.runtime.device, cfg.optim, cfg.loss,
                                     cfg.model.max_tokens_per_micro_batch,
                                     activation_recompute=cfg.model.activation_recompute,
@@ -107,9 +114,7 @@ class DapoTrainer:
         # The driver's: batches sampled ahead of their step (the overlapping modes), taken from the service and
         # not yet trained on, oldest first.
         self.ready: list[ReadyBatch] = []
-        if cfg.rollout.engine == "sglang":
-            self._share_server_key()
-        self.service = self._rollout_service() if self.driver else None
+        self.service = self._rollout_service(starting) if self.driver else None
         resume = latest_checkpoint(self.checkpoint_root) if cfg.train.resume else None
         if resume is not None:
             extra = load_trainer_checkpoint(resume, self.policy)
@@ -145,21 +150,28 @@ class DapoTrainer:
         load_hf_weights(ref, hf.get, self.spec, self.cfg.parallel)
         return ref.eval().requires_grad_(False)
 
-    def _rollout_service(self):
-        """The driver's rollout service: in a process of its own over SGLang servers (which it starts, unless
-        given their URLs); inline over the in-process engine, which samples with the live policy."""
-        cfg = self.cfg
-        if cfg.rollout.engine == "local":
-            from megatron_dapo.rollout.local_engine import LocalEngine, hf_eos_token_ids
-
-            engine = LocalEngine(self.policy.module, vocab_size=self.spec.vocab_size,
-                                 max_positions=self.spec.max_position_embeddings,
-                                 eos_token_ids=hf_eos_token_ids(self.hf_config), device=self.runtime.device,
-                                 seed=cfg.parallel.seed, weight_version=str(self.step_index))
-            return RolloutService(cfg, engine, self.dp_size)
+    def _start_rollout_service(self):
+        """Driver: the rollout service's process over SGLang servers (which it starts, unless given their URLs),
+        started, not yet up."""
         from megatron_dapo.rollout_service_process import RolloutServiceProcess
 
-        return RolloutServiceProcess(cfg, self.dp_size)
+        return RolloutServiceProcess(self.cfg, self.dp_size)
+
+    def _rollout_service(self, starting):
+        """The driver's rollout service: in a process of its own over SGLang servers (`starting`, or started now),
+        once it is up; inline over the in-process engine, which samples with the live policy."""
+        cfg = self.cfg
+        if cfg.rollout.engine == "sglang":
+            service = starting or self._start_rollout_service()
+            service.wait_up()
+            return service
+        from megatron_dapo.rollout.local_engine import LocalEngine, hf_eos_token_ids
+
+        engine = LocalEngine(self.policy.module, vocab_size=self.spec.vocab_size,
+                             max_positions=self.spec.max_position_embeddings,
+                             eos_token_ids=hf_eos_token_ids(self.hf_config), device=self.runtime.device,
+                             seed=cfg.parallel.seed, weight_version=str(self.step_index))
+        return RolloutService(cfg, engine, self.dp_size)
 
     def _share_server_key(self) -> None:
         """Every rank: the driver's key for the run's SGLang servers (server_key.py) in its environment, where

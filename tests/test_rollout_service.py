@@ -123,6 +123,8 @@ def test_the_service_process_reports_its_servers_and_its_data_position(service_c
 
     service = RolloutServiceProcess(service_config(), dp_size=1)
     try:
+        assert service.server_urls == []  # until it is up
+        service.wait_up()
         assert service.server_urls == ["http://127.0.0.1:9"] and service.wait() == READY
         state = service.state_dict()
         service.load_state_dict(state)
@@ -145,9 +147,10 @@ def test_a_service_that_cannot_start_or_dies_is_named_not_waited_for(service_con
     from megatron_dapo.rollout_service_process import RolloutServiceError, RolloutServiceProcess
 
     with pytest.raises(RolloutServiceError, match="did not start: .*missing.jsonl"):
-        RolloutServiceProcess(service_config(train_path=str(tmp_path / "missing.jsonl")), dp_size=1)
+        RolloutServiceProcess(service_config(train_path=str(tmp_path / "missing.jsonl")), dp_size=1).wait_up()
 
     service = RolloutServiceProcess(service_config(), dp_size=1)
+    service.wait_up()
     os.kill(service._proc.pid, signal.SIGKILL)
     with pytest.raises(RolloutServiceError, match=r"process exited \(code -9\); its log: .*rollout.log"):
         service.start_batch(0)
@@ -164,6 +167,7 @@ def test_a_stopped_service_process_is_named_within_the_heartbeat_timeout(service
 
     service = RolloutServiceProcess(service_config(parallel={"heartbeat_timeout_s": 2.0}), dp_size=1)
     try:
+        service.wait_up()
         os.kill(service._proc.pid, signal.SIGSTOP)
         service.start_eval()
         begin = time.monotonic()
@@ -184,6 +188,7 @@ def test_a_job_past_its_deadline_fails_the_run_naming_it(service_config):
     cfg = service_config(rollout={"request_timeout_s": 1.0, "job_timeout_s": 3.0}, chat_template=False)
     service = RolloutServiceProcess(cfg, dp_size=1)
     try:
+        service.wait_up()
         service.start_batch(0)
         assert service.wait() == READY
         with pytest.raises(RolloutServiceError, match=r"batch job did not finish within rollout.job_timeout_s = 3 s"):
@@ -194,10 +199,14 @@ def test_a_job_past_its_deadline_fails_the_run_naming_it(service_config):
         service.close()
 
 
-def test_the_service_process_stops_when_the_driver_is_gone(service_config):
+@pytest.mark.parametrize("when", ["up", "starting"])
+def test_the_service_process_stops_when_the_driver_is_gone(service_config, when):
+    """Up, or still starting (the driver fails while it builds the policy beside the service's start-up)."""
     from megatron_dapo.rollout_service_process import RolloutServiceProcess
 
     service = RolloutServiceProcess(service_config(), dp_size=1)
+    if when == "up":
+        service.wait_up()
     service._conn.close()  # as when the driver dies
     service._proc.join(60)
     assert service._proc.exitcode == 0

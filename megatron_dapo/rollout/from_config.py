@@ -26,13 +26,15 @@ def server_config(rollout: RolloutConfig, model_path: str, *, host: str = "127.0
 
 
 def sglang_engine(rollout: RolloutConfig, model_path: str, log_dir, *,
-                  on_server_restart: Callable[[str], None] | None = None) -> SGLangEngine:
+                  on_server_restart: Callable[[str], None] | None = None, wait: bool = True) -> SGLangEngine:
+    """With `wait=False` the servers started here may still be starting: `wait_launched()` before sampling."""
     kwargs = dict(max_in_flight=rollout.max_in_flight, request_timeout_s=rollout.request_timeout_s,
                   max_server_restarts=rollout.max_server_restarts, health_timeout_s=rollout.server_health_timeout_s,
                   on_server_restart=on_server_restart)
     if rollout.server_urls:
         return SGLangEngine(list(rollout.server_urls), **kwargs)
-    return SGLangEngine.launch([server_config(rollout, model_path)] * rollout.num_servers, log_dir, **kwargs)
+    return SGLangEngine.launch([server_config(rollout, model_path)] * rollout.num_servers, log_dir, wait=wait,
+                               **kwargs)
 
 
 def server_urls(engine: SGLangEngine) -> list[str]:

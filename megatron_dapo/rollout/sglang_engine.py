@@ -138,6 +138,7 @@ class SGLangEngine:
         self.restarts = 0  # servers restarted or re-attached over the engine's life
         self._router_lock = threading.Lock()
         self._launched: list = []  # processes `launch` started, stopped by `close`
+        self._starting = False  # `launch(wait=False)` started them: wait_launched() has not seen them healthy
         # The event loop, its thread and what lives on it, made on first use.
         self._loop_lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -147,32 +148,46 @@ class SGLangEngine:
 
     @classmethod
     def launch(cls, configs: Sequence[SGLangServerConfig], log_dir, *, use_router: bool | None = None,
-               **engine_kwargs) -> SGLangEngine:
+               wait: bool = True, **engine_kwargs) -> SGLangEngine:
         """Start one server per config (all at once; on GPUs server i starts tensor_parallel * i GPUs past
         its config's base_gpu_id, so they do not share GPUs) and, when asked or when there are
-        `ROUTER_MIN_SERVERS` or more, sglang-router in front of them; `close` stops them all."""
+        `ROUTER_MIN_SERVERS` or more, sglang-router in front of them; `close` stops them all. With `wait=False`
+        it returns as soon as the servers' processes are started, so that the caller sets up beside their
+        start-up (minutes on GPUs), and `wait_launched()` must end before the engine's first use."""
         log_dir = Path(log_dir)
         configs = [dataclasses.replace(c, base_gpu_id=c.base_gpu_id + i * c.tensor_parallel)
                    for i, c in enumerate(configs)]
         procs = [SGLangServer(c, log_dir / f"sglang_{i}.log") for i, c in enumerate(configs)]
-        started = []
+        router = None
+        if use_router if use_router is not None else len(procs) >= ROUTER_MIN_SERVERS:
+            router = SGLangRouter([p.url for p in procs], log_dir / "router.log", host=procs[0].host)
+        engine = cls(procs, router=router, **engine_kwargs)
         try:
             for p in procs:
-                started.append(p.start())
-            for p in procs:
-                p.wait_healthy()
-            router = None
-            if use_router if use_router is not None else len(procs) >= ROUTER_MIN_SERVERS:
-                router = SGLangRouter([p.url for p in procs], log_dir / "router.log", host=procs[0].host)
-                started.append(router.start())
-                router.wait_healthy()
+                engine._launched.append(p.start())
         except BaseException:
-            for p in started:
-                p.stop()
+            engine.close()
             raise
-        engine = cls(procs, router=router, **engine_kwargs)
-        engine._launched = started
+        engine._starting = True
+        if wait:
+            engine.wait_launched()
         return engine
+
+    def wait_launched(self) -> None:
+        """Until the servers `launch` started are healthy, then the router (started now: it registers them
+        once they answer); on a failure all of them are stopped. Nothing to wait for otherwise."""
+        if not self._starting:
+            return
+        try:
+            for s in self.servers:
+                s.process.wait_healthy()
+            if self.router is not None:
+                self._launched.append(self.router.start())
+                self.router.wait_healthy()
+        except BaseException:
+            self.close()
+            raise
+        self._starting = False
 
     def close(self) -> None:
         """Close the HTTP session and stop the processes `launch` started (servers given by the caller are
