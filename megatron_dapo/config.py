@@ -142,6 +142,7 @@ class LossConfig:
 
 
 ACTIVATION_RECOMPUTE = ("none", "full")
+TRAINING_DTYPES = ("auto", "bfloat16", "float32")
 
 
 @dataclass(frozen=True)
@@ -152,6 +153,10 @@ class ModelConfig:
     # its other activations there (megatron-core's full recompute, one layer at a time): it trades about a third
     # more compute per training step for a fraction of the activation memory. "none": keep all activations.
     activation_recompute: str = "none"
+    # The dtype the policy trains in (its parameters and activations; with bfloat16 the optimizer keeps an fp32
+    # master copy of the weights and accumulates gradients in fp32). "auto": bfloat16 on GPUs, float32 on the CPU.
+    # bfloat16 on the CPU runs the GPU's precision path there (megatron-core's bf16 optimizer over gloo).
+    dtype: str = "auto"
 
     def __post_init__(self):
         _require(bool(self.path), "model.path", "must name a Hugging Face model folder (config.json + weights + "
@@ -159,6 +164,15 @@ class ModelConfig:
         _whole(self.max_tokens_per_micro_batch, "model.max_tokens_per_micro_batch", 1)
         _require(self.activation_recompute in ACTIVATION_RECOMPUTE, "model.activation_recompute",
                  f"must be 'none' or 'full', got {self.activation_recompute!r}")
+        _require(self.dtype in TRAINING_DTYPES, "model.dtype",
+                 f"must be one of {', '.join(TRAINING_DTYPES)}, got {self.dtype!r} (float16 would need loss scaling, "
+                 "which the trainer does not do: use bfloat16)")
+
+    def training_dtype(self, device: str) -> str:
+        """model.dtype on parallel.device `device`: "bfloat16" or "float32"."""
+        if self.dtype != "auto":
+            return self.dtype
+        return "bfloat16" if device == "cuda" else "float32"
 
 
 @dataclass(frozen=True)

@@ -25,10 +25,11 @@ from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from megatron_dapo.algorithm.empty_step_watch import EmptyStepWatch
-from megatron_dapo.checkpoint.hf_weights import load_hf_weights
+from megatron_dapo.checkpoint.hf_weights import load_hf_weights, load_policy_weights
 from megatron_dapo.checkpoint.mcore_checkpoint import start_writer_helper
 from megatron_dapo.checkpoint.safetensors_io import HFCheckpoint
 from megatron_dapo.checkpoint.trainer_checkpoint import (
@@ -102,8 +103,9 @@ class DapoTrainer:
                                     cfg.model.max_tokens_per_micro_batch,
                                     activation_recompute=cfg.model.activation_recompute,
                                     updates_per_step=cfg.train.updates_per_step,
-                                    temperature=cfg.rollout.temperature)
-        load_hf_weights(self.policy.module, hf.get, self.spec, cfg.parallel)
+                                    temperature=cfg.rollout.temperature,
+                                    params_dtype=getattr(torch, cfg.model.training_dtype(cfg.parallel.device)))
+        load_policy_weights(self.policy, hf.get)
         self.reference = self._frozen_reference(hf) if cfg.loss.kl_coef > 0 else None
         self.output_dir = Path(cfg.train.output_dir)
         self.step_index = 0  # rollout steps done; also the version of the weights the engine samples from
@@ -146,7 +148,8 @@ class DapoTrainer:
         from megatron.core import parallel_state
 
         ref = build_model(self.spec, self.cfg.parallel, pre_process=parallel_state.is_pipeline_first_stage(),
-                          post_process=parallel_state.is_pipeline_last_stage())
+                          post_process=parallel_state.is_pipeline_last_stage(),
+                          params_dtype=self.policy.module.config.params_dtype)
         load_hf_weights(ref, hf.get, self.spec, self.cfg.parallel)
         return ref.eval().requires_grad_(False)
 

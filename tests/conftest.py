@@ -42,6 +42,18 @@ def task(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def demo(tmp_path_factory):
+    """The demo's task and warm model, made as `megatron-dapo demo` makes them (seed 0): a minute on 2 idle cores.
+    test_tiny_cpu_config and test_bf16_on_cpu train it; nothing writes into it."""
+    from megatron_dapo.demo import WARM_START, prepare_task
+    from megatron_dapo.demo.warm_start import supervised_warm_start
+
+    out = tmp_path_factory.mktemp("demo")
+    supervised_warm_start(out / "base", out / "warm", prepare_task(out, seed=0), seed=0, **WARM_START)
+    return out
+
+
+@pytest.fixture(scope="session")
 def shared_sglang(tmp_path_factory):
     """One real SGLang server on the CPU (fp32, the tiny Qwen2 of tests/distributed/tiny_models.py) for the modules
     that sample from it and push weights into it but leave it running: its start-up is a minute of the suite's

@@ -115,14 +115,14 @@ def test_logprobs_equal_the_policy_recomputing_the_samples(policy, temperature, 
 
 def test_samples_come_from_the_weights_the_trainer_just_updated(policy):
     """The engine over the trainer's DDP-wrapped model: after an optimizer step, no sync, the new policy samples."""
-    from megatron_dapo.checkpoint.hf_weights import load_hf_weights
+    from megatron_dapo.checkpoint.hf_weights import load_policy_weights
     from megatron_dapo.config import LossConfig, OptimConfig
     from megatron_dapo.policy.train_step import PolicyTrainer, RolloutSample
 
     _, spec, runtime, hf = policy
     parallel = ParallelConfig(device="cpu")
     trainer = PolicyTrainer(spec, parallel, runtime.device, OptimConfig(lr=1e-2, warmup_steps=0), LossConfig(), 2048)
-    load_hf_weights(trainer.module, hf.state_dict().__getitem__, spec, parallel)
+    load_policy_weights(trainer, hf.state_dict().__getitem__)
     engine = LocalEngine(trainer.model, vocab_size=spec.vocab_size, max_positions=spec.max_position_embeddings,
                          eos_token_ids=EOS, device=runtime.device)
     ps, params = prompts(), SamplingParams(max_new_tokens=12)

@@ -18,7 +18,7 @@ RECOMPUTE = ["tp2-pp1-dp1-mb200-r", "tp1-pp2-dp1-mb200-r"]  # model.activation_r
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("train")
-    torchrun("train_worker.py", 1, str(out), "1,1,100000", "tis")
+    torchrun("train_worker.py", 1, str(out), "1,1,100000", "tis", "bf16")
     torchrun("train_worker.py", 2, str(out), "1,1,62", "2,1,200", "1,2,200", "2,1,200,r", "1,2,200,r", "adam", "nan")
 
     def load(tag):
@@ -28,7 +28,18 @@ def runs(tmp_path_factory):
         return json.loads((out / f"{tag}.json").read_text()), deltas
 
     return {**{tag: load(tag) for tag in [BASE, *SPLITS, *RECOMPUTE, "adam"]},
-            "tis": json.loads((out / "tis.json").read_text()), "nan": json.loads((out / "nan.json").read_text())}
+            **{k: json.loads((out / f"{k}.json").read_text()) for k in ("tis", "nan", "bf16")}}
+
+
+@pytest.mark.parametrize("optimizer", ["plain", "distributed"])
+def test_a_bf16_policy_trains_the_weights_it_loaded(runs, optimizer):
+    """The GPU's precision on the CPU (bf16 weights, fp32 master copy): one update at an lr below bf16's
+    resolution leaves every weight as loaded; a master copy taken before the load (the random initialisation)
+    would have replaced them all."""
+    r = runs["bf16"][optimizer]
+    assert r["applied"] and r["loss"] == r["loss"]  # not nan
+    assert r["dtypes"] == ["torch.bfloat16"]  # the model at one dtype, its norms included
+    assert r["max_change"] <= 1e-2 * r["max_weight"], r
 
 
 def test_a_nan_in_one_micro_batch_skips_the_update_on_every_rank(runs):

@@ -10,8 +10,6 @@ from pathlib import Path
 import pytest
 
 from megatron_dapo.algorithm.empty_step_watch import EMPTY_STEPS_TO_WARN
-from megatron_dapo.demo import WARM_START, prepare_task
-from megatron_dapo.demo.warm_start import supervised_warm_start
 from megatron_dapo.run_config import load_config
 from megatron_dapo.runtime import free_port
 
@@ -19,14 +17,6 @@ pytestmark = pytest.mark.slow
 CONFIG = Path(__file__).resolve().parent.parent / "launch" / "configs" / "tiny-cpu.yaml"
 STEPS_PAST_WARMUP = 3  # at the full optim.lr: the old lr 1e-3 wrecked the model in its first step
 MARGIN = 0.05  # held-out avg@4 may dip this much (noise over 64 prompts x 4 samples); a collapse falls to ~0
-
-
-@pytest.fixture(scope="module")
-def demo(tmp_path_factory) -> Path:
-    """The demo's task and warm model, made as `megatron-dapo demo` makes them (seed 0): a minute on 2 idle cores."""
-    out = tmp_path_factory.mktemp("demo")
-    supervised_warm_start(out / "base", out / "warm", prepare_task(out, seed=0), seed=0, **WARM_START)
-    return out
 
 
 def run(demo: Path, out: Path, monkeypatch, *overrides: str, evaluate: bool = True):

@@ -2,6 +2,7 @@
 atomicity, keep-last-N, bad inputs; a write that fails on one rank."""
 
 import dataclasses
+import hashlib
 import json
 import time
 from types import SimpleNamespace
@@ -23,8 +24,13 @@ from megatron_dapo.checkpoint.trainer_checkpoint import (
 from megatron_dapo.config import ConfigError
 from megatron_dapo.policy.hf_config import ModelSpec
 
-# DP=2: the distributed optimizer's state really is split between the ranks; nodist: megatron's plain optimizer.
-LAYOUTS = {"tp2-pp1-dp1": "2,1", "tp1-pp2-dp1": "1,2", "tp1-pp1-dp2": "1,1", "tp1-pp2-dp1-nodist": "1,2,nodist"}
+# DP=2: the distributed optimizer's state really is split between the ranks; nodist: megatron's plain optimizer;
+# bf16: the GPU's precision (bf16 weights, fp32 masters in the optimizer), for Qwen2 (qkv biases beside the norms
+# in the no-weight-decay group) and Llama.
+LAYOUTS = {"tp2-pp1-dp1": "2,1", "tp1-pp2-dp1": "1,2", "tp1-pp1-dp2": "1,1", "tp1-pp2-dp1-nodist": "1,2,nodist",
+           "tp1-pp1-dp2-bf16": "1,1,bf16", "tp1-pp1-dp2-nodist-bf16": "1,1,nodist,bf16",
+           "tp1-pp1-dp2-bf16-llama": "1,1,bf16,llama", "tp1-pp1-dp2-nodist-bf16-llama": "1,1,nodist,bf16,llama"}
+HF_TENSORS = {"qwen2": 51, "llama": 39}  # of the 4-layer tiny models (Llama has no qkv biases)
 RESHARD = ("1,2", "tp2-pp1-dp1")  # resumed at TP=1 x PP=2 from the TP=2 checkpoint
 
 
@@ -52,9 +58,13 @@ def full_extra(step):
 def test_resumed_step_is_bitwise_the_uninterrupted_one(runs, tag):
     full, full_w = load_run(runs, tag, "full")
     resumed, resumed_w = load_run(runs, tag, "resume")
-    assert len(full_w) == 51 and full_w.keys() == resumed_w.keys()  # every HF tensor of the 4-layer model
+    model = "llama" if tag.endswith("llama") else "qwen2"
+    assert len(full_w) == HF_TENSORS[model] and full_w.keys() == resumed_w.keys()  # every HF tensor of the model
     changed = [k for k in full_w if not torch.equal(full_w[k], resumed_w[k])]
     assert not changed, f"weights after step 4 differ: {changed[:5]}"
+    assert full["dtypes"] == resumed["dtypes"] == (["torch.bfloat16"] if "bf16" in tag else ["torch.float32"])
+    assert resumed["masters"] == full["masters"]  # the fp32 masters (bf16) restored bitwise, on every rank
+    assert ("bf16" in tag) == (hashlib.sha256().hexdigest() not in full["masters"])  # bf16 has masters
     assert resumed["loss"] == full["loss"] and resumed["grad_norm"] == full["grad_norm"]
     assert resumed["lr"] == full["lr"] == pytest.approx(3e-3 * 4 / 6)  # warmup position restored with the step
     assert resumed["step_count"] == full["step_count"] == 3

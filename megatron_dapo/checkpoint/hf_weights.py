@@ -1,4 +1,5 @@
-"""Copy Hugging Face tensors into a Megatron model stage, through the mapping in hf_mapping."""
+"""Copy Hugging Face tensors into a Megatron model stage, through the mapping in hf_mapping; into a policy being
+trained, with its optimizer's master copy (load_policy_weights)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from megatron_dapo.checkpoint.hf_mapping import MappingError, megatron_shard
 from megatron_dapo.config import ParallelConfig
 from megatron_dapo.policy.hf_config import ModelSpec
 from megatron_dapo.policy.model import padded_vocab_size
+from megatron_dapo.policy.train_step import PolicyTrainer
 
 _LOCAL_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 
@@ -40,3 +42,13 @@ def load_hf_weights(model: torch.nn.Module, get: Callable[[str], torch.Tensor], 
         if shard.shape != param.shape:
             raise MappingError(f"{mname}: shard shape {tuple(shard.shape)} does not fit the model's {tuple(param.shape)}")
         param.copy_(shard)
+
+
+def load_policy_weights(policy: PolicyTrainer, get: Callable[[str], torch.Tensor]) -> None:
+    """The one way to put Hugging Face weights into a policy being trained: into its model stage, then into its
+    optimizer's fp32 master copy. A bf16 optimizer copied the parameters when it was built (the random
+    initialisation), and its first step would write that copy back over the loaded weights; an fp32 optimizer's
+    masters are the parameters themselves. Call it before a resume, which restores the masters from the checkpoint
+    (refreshing them from the bf16 parameters after that would round them)."""
+    load_hf_weights(policy.module, get, policy.spec, policy.parallel)
+    policy.optimizer.reload_model_params()

@@ -117,7 +117,8 @@ def build_model(spec: ModelSpec, parallel: ParallelConfig, *, pre_process: bool,
     from megatron_dapo.policy.sdpa_attention import SdpaAttention
 
     config = transformer_config(spec, parallel, params_dtype, initialize, activation_recompute)
-    if use_transformer_engine(parallel):
+    te = use_transformer_engine(parallel)
+    if te:
         layer_spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_layernorm)
     else:
         layer_spec = get_gpt_layer_local_spec(qk_layernorm=spec.qk_layernorm, normalization="RMSNorm")
@@ -135,6 +136,12 @@ def build_model(spec: ModelSpec, parallel: ParallelConfig, *, pre_process: bool,
         position_embedding_type="rope",
         rotary_base=int(spec.rope_theta),
     )
+    if config.bf16 and not te:
+        # The whole model in bf16, as megatron's own training has it (its Float16Module casts the module): the
+        # local spec's norms are torch.nn.RMSNorm built without a dtype, fp32 beside bf16 weights, which
+        # megatron-core's checkpointing of a bf16 optimizer cannot map, and which the export would round anyway.
+        # (Transformer Engine's layers take params_dtype themselves.)
+        model.bfloat16()
     if tensors_on_gpu(parallel):  # what megatron-core builds on the host (norms) goes to the GPU too
         model.cuda(torch.cuda.current_device())
     return model

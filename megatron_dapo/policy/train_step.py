@@ -66,14 +66,16 @@ class PolicyTrainer:
 
     def __init__(self, spec: ModelSpec, parallel: ParallelConfig, device: torch.device, optim: OptimConfig,
                  loss: LossConfig, max_tokens_per_micro_batch: int, activation_recompute: str = "none",
-                 updates_per_step: int = 1, temperature: float = 1.0):
+                 updates_per_step: int = 1, temperature: float = 1.0, params_dtype: torch.dtype | None = None):
         """`activation_recompute`: model.activation_recompute ("full": each layer keeps only its input and
         recomputes the rest in the backward). Forward-only passes are unaffected: megatron-core recomputes only in
         training mode, and under no_grad its checkpoint keeps nothing for a backward either.
         `updates_per_step`: train.updates_per_step, the optimizer updates of one rollout step (the LR warmup
         counts rollout steps).
         `temperature`: rollout.temperature; the loss's log-probs are those of softmax(logits / temperature), the
-        distribution the rollout sampled from (old log-probs must be recomputed at the same temperature)."""
+        distribution the rollout sampled from (old log-probs must be recomputed at the same temperature).
+        `params_dtype`: the model's (model.training_dtype; default bf16 on GPUs, fp32 on the CPU); with bf16 the
+        optimizer keeps an fp32 master copy of the weights (load them with load_policy_weights)."""
         from megatron.core import parallel_state
         from megatron.core.distributed import (
             DistributedDataParallel,
@@ -89,18 +91,17 @@ class PolicyTrainer:
         self.updates_per_step = updates_per_step
         self.temperature = temperature
         model = build_model(spec, parallel, pre_process=parallel_state.is_pipeline_first_stage(),
-                            post_process=parallel_state.is_pipeline_last_stage(),
+                            post_process=parallel_state.is_pipeline_last_stage(), params_dtype=params_dtype,
                             activation_recompute=activation_recompute)
         config = model.config
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                    use_distributed_optimizer=optim.distributed_optimizer,
                                                    check_for_nan_in_grad=False)  # step() skips such updates
         self.model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
-        on_gpu = parallel.device == "cuda"
         self.optimizer = get_megatron_optimizer(
             OptimizerConfig(optimizer="adam", lr=optim.lr, min_lr=optim.lr, weight_decay=optim.weight_decay,
                             adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, adam_eps=optim.adam_eps,
-                            clip_grad=optim.clip_grad, bf16=on_gpu,
+                            clip_grad=optim.clip_grad, bf16=config.params_dtype == torch.bfloat16,
                             params_dtype=config.params_dtype, use_distributed_optimizer=optim.distributed_optimizer),
             [self.model],
         )
@@ -115,7 +116,8 @@ class PolicyTrainer:
 
     @property
     def module(self):
-        """The bare GPTModel stage (for loading weights and forward-only passes)."""
+        """The bare GPTModel stage (for forward-only passes; weights go in through
+        checkpoint.hf_weights.load_policy_weights, which refreshes the optimizer's master copy too)."""
         return self.model.module
 
     def _loss_func(self, mb: MicroBatch, old_logp, advantages, mask, weight, ref_logp, logits):

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from tiny_models import hf_model
 from train_worker import batch
 
-from megatron_dapo.checkpoint.hf_weights import load_hf_weights
+from megatron_dapo.checkpoint.hf_weights import load_policy_weights
 from megatron_dapo.checkpoint.trainer_checkpoint import (
     STATE_FILE,
     CheckpointWriteError,
@@ -80,7 +80,7 @@ def main(out_dir: str, fault: str) -> None:
     parallel = ParallelConfig(tensor_parallel=2, device="cpu", seed=7)
     runtime = init_runtime(parallel)
     trainer = PolicyTrainer(spec, parallel, runtime.device, OptimConfig(lr=1e-3), LossConfig(), 200)
-    load_hf_weights(trainer.module, hf.state_dict().__getitem__, spec, parallel)
+    load_policy_weights(trainer, hf.state_dict().__getitem__)
     root = Path(out_dir, "checkpoints")
     samples = batch(hf)
     trainer.step(samples)

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_dapo.checkpoint.hf_export import iter_hf_tensors
-from megatron_dapo.checkpoint.hf_weights import load_hf_weights
+from megatron_dapo.checkpoint.hf_weights import load_policy_weights
 from megatron_dapo.checkpoint.safetensors_io import HFCheckpoint
 from megatron_dapo.config import ParallelConfig
 from megatron_dapo.policy.hf_config import model_spec_from_hf
@@ -42,7 +42,7 @@ def main(out_json, model_dir, url, bucket_mb):
     ckpt = HFCheckpoint(model_dir)
     spec = model_spec_from_hf(ckpt.config)
     trainer = PolicyTrainer(spec, parallel, runtime.device, OptimConfig(lr=2e-2, warmup_steps=0), LossConfig(), 512)
-    load_hf_weights(trainer.module, ckpt.get, spec, parallel)
+    load_policy_weights(trainer, ckpt.get)
 
     full = [(name, (t.cpu() - ckpt.get(name)).abs().max().item()) for name, t in
             iter_hf_tensors(trainer.module, spec, parallel, receivers=[0, 1])]

@@ -4,7 +4,8 @@ argv: OUT_DIR LAYOUT [LAYOUT ...], a layout being tp,pp,micro_batch_tokens[,r] (
 recompute, model.activation_recompute "full"). Per layout the weight change of one Adam step, gathered to
 HF names, goes to OUT_DIR/{tag}-stage{pp_rank}.pt from the ranks with tp_rank = dp_rank = 0; the step's
 loss and grad norm to OUT_DIR/{tag}.json, with how many layer checkpoints megatron-core made on each rank.
-Layout "adam" runs 6 Adam steps at TP=2 and records the loss; "nan" poisons one micro-batch (nan.json).
+Layout "adam" runs 6 Adam steps at TP=2 and records the loss; "nan" poisons one micro-batch (nan.json); "bf16"
+takes one update of a bf16 model under each bf16 optimizer (bf16.json).
 """
 
 import json
@@ -16,7 +17,7 @@ import torch.distributed as dist
 from tiny_models import hf_model, hf_response_logprobs, sequences
 
 from megatron_dapo.checkpoint.hf_mapping import hf_tensors, tp_dim
-from megatron_dapo.checkpoint.hf_weights import global_name, layer_offset, load_hf_weights
+from megatron_dapo.checkpoint.hf_weights import global_name, layer_offset, load_policy_weights
 from megatron_dapo.config import ParallelConfig
 from megatron_dapo.policy.batch import micro_batches
 from megatron_dapo.policy.hf_config import model_spec_from_hf
@@ -86,7 +87,7 @@ def tis_normaliser_case(out_dir, spec, hf):
     norms, counts = {}, {}
     for case in ("weighted", "left_out"):
         trainer = PolicyTrainer(spec, parallel, runtime.device, optim, LossConfig(), 100000)
-        load_hf_weights(trainer.module, hf.state_dict().__getitem__, spec, parallel)
+        load_policy_weights(trainer, hf.state_dict().__getitem__)
         samples = []
         for s in batch(hf):
             n = s.sequence.response_len
@@ -105,13 +106,38 @@ def tis_normaliser_case(out_dir, spec, hf):
     reset_parallel_layout()
 
 
+def bf16_case(out_dir, spec, hf):
+    """The GPU's precision on the CPU: a bf16 model under megatron-core's bf16 optimizers (plain and distributed),
+    whose fp32 master copy the update is applied to. After one update at a learning rate far below bf16's
+    resolution the weights are still the loaded ones (a master copy of anything else would replace them)."""
+    parallel = ParallelConfig(device="cpu", seed=7)
+    runtime = init_runtime(parallel)
+    record = {}
+    for name, distributed in (("plain", False), ("distributed", True)):
+        optim = OptimConfig(lr=1e-7, warmup_steps=0, weight_decay=0.0, distributed_optimizer=distributed)
+        trainer = PolicyTrainer(spec, parallel, runtime.device, optim, LossConfig(), 100000,
+                                params_dtype=torch.bfloat16)
+        load_policy_weights(trainer, hf.state_dict().__getitem__)
+        loaded = gathered_hf_state(trainer.module, spec, parallel)
+        result = trainer.step(batch(hf))
+        after = gathered_hf_state(trainer.module, spec, parallel)
+        record[name] = {"dtypes": sorted({str(p.dtype) for p in trainer.module.parameters()}),
+                        "applied": result.applied, "loss": result.loss,
+                        "max_change": max((after[k].float() - loaded[k].float()).abs().max().item() for k in loaded),
+                        "max_weight": max(v.float().abs().max().item() for v in loaded.values())}
+        del trainer
+    with open(os.path.join(out_dir, "bf16.json"), "w") as f:
+        json.dump(record, f)
+    reset_parallel_layout()
+
+
 def nan_case(out_dir, spec, hf):
     """A NaN in the old log-probs of one micro-batch at TP=2: the update is skipped on every rank and the weights
     stay bitwise; the next, clean update is applied."""
     parallel = ParallelConfig(tensor_parallel=2, device="cpu", seed=7)
     runtime = init_runtime(parallel)
     trainer = PolicyTrainer(spec, parallel, runtime.device, OptimConfig(lr=1e-2, warmup_steps=0), LossConfig(), 200)
-    load_hf_weights(trainer.module, hf.state_dict().__getitem__, spec, parallel)
+    load_policy_weights(trainer, hf.state_dict().__getitem__)
     clean = batch(hf)
     poisoned = list(clean)
     s = poisoned[3]  # its own micro-batch at 200 tokens
@@ -150,7 +176,7 @@ def run_layout(out_dir, layout, spec, hf):
              OptimConfig(lr=1e3, adam_eps=1e3, warmup_steps=0, weight_decay=0.0, clip_grad=0.0))
     trainer = PolicyTrainer(spec, parallel, runtime.device, optim, LossConfig(dual_clip_c=3.0), mb_tokens,
                             activation_recompute="full" if recompute else "none")
-    load_hf_weights(trainer.module, hf.state_dict().__getitem__, spec, parallel)
+    load_policy_weights(trainer, hf.state_dict().__getitem__)
     dp, dp_rank = runtime.data_parallel, parallel_state.get_data_parallel_rank()
     samples = batch(hf)
     mine = samples[dp_rank::dp]
@@ -194,6 +220,8 @@ def main(out_dir, layouts):
             tis_normaliser_case(out_dir, spec, hf)
         elif layout == "nan":
             nan_case(out_dir, spec, hf)
+        elif layout == "bf16":
+            bf16_case(out_dir, spec, hf)
         else:
             run_layout(out_dir, layout, spec, hf)
     shutdown_runtime()

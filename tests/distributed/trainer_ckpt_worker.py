@@ -1,17 +1,19 @@
 """torchrun worker: a training run checkpointed and resumed in another process.
 
-argv: OUT_DIR MODE LAYOUT [LAYOUT ...], MODE "full" or "resume", a layout being tp,pp (DP = the rest),
-or tp,pp,nodist for megatron's non-distributed optimizer.
+argv: OUT_DIR MODE LAYOUT [LAYOUT ...], MODE "full" or "resume", a layout being tp,pp (DP = the rest) and
+flags: nodist for megatron's non-distributed optimizer, bf16 for the GPU's precision (bf16 weights, an fp32
+master copy in the optimizer), llama for the tiny Llama instead of the tiny Qwen2.
 full: 3 steps, a checkpoint after each (keep_last=2), then step 4. resume: a fresh trainer (other
 seed, random weights, other RNG states) loads the latest checkpoint and runs step 4. Each step's data
 depends on the python, numpy and torch RNGs, so step 4 matches only if they were restored too.
 A resume layout tp,pp@TAG loads the checkpoint of layout TAG instead (resharded; the RNG states stay
 behind, so the host RNGs are replayed to step 4's data by hand).
 Per layout: OUT_DIR/{tag}-{mode}.json (step 4's loss and grad norm, the extra dict, every rank's RNG
-draws after step 4) and OUT_DIR/{tag}-{mode}-stage{pp_rank}.pt (the weights after step 4, HF names).
+draws after step 4 and digest of its optimizer's fp32 master weights) and OUT_DIR/{tag}-{mode}-stage{pp_rank}.pt (the weights after step 4, HF names).
 """
 
 import dataclasses
+import hashlib
 import json
 import os
 import random
@@ -23,7 +25,7 @@ import torch.distributed as dist
 from tiny_models import hf_model
 from train_worker import batch, gathered_hf_state
 
-from megatron_dapo.checkpoint.hf_weights import load_hf_weights
+from megatron_dapo.checkpoint.hf_weights import load_policy_weights
 from megatron_dapo.checkpoint.trainer_checkpoint import (
     latest_checkpoint,
     load_trainer_checkpoint,
@@ -64,24 +66,40 @@ def rng_draws():
             "tracker": tracker}
 
 
-def run_layout(out_dir, mode, layout, spec, hf):
+def master_digest(trainer) -> str:
+    """A digest of this rank's fp32 master weights (bf16 training), in the optimizer's order."""
+    digest = hashlib.sha256()
+    for opt in getattr(trainer.optimizer, "chained_optimizers", [trainer.optimizer]):
+        groups = getattr(opt, "shard_fp32_from_float16_groups", None) or getattr(opt, "fp32_from_float16_groups", [])
+        for group in groups:
+            for master in group:
+                digest.update(master.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def run_layout(out_dir, mode, layout):
     from megatron.core import parallel_state
 
     layout, _, source = layout.partition("@")
     tp, pp, *flags = layout.split(",")
-    tp, pp, nodist = int(tp), int(pp), "nodist" in flags
+    tp, pp, nodist, bf16 = int(tp), int(pp), "nodist" in flags, "bf16" in flags
+    kind = "llama" if "llama" in flags else "qwen2"
+    hf, cfg = hf_model(kind)
+    spec = model_spec_from_hf(cfg)
     full = mode == "full"
     parallel = ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp, device="cpu", seed=7 if full else 99)
     runtime = init_runtime(parallel)
-    tag = f"tp{tp}-pp{pp}-dp{runtime.data_parallel}" + ("-nodist" if nodist else "")
+    tag = (f"tp{tp}-pp{pp}-dp{runtime.data_parallel}" + ("-nodist" if nodist else "") + ("-bf16" if bf16 else "")
+           + ("-llama" if kind == "llama" else ""))
     root = os.path.join(out_dir, f"ckpt-{source or tag}")
     if source:
         tag = f"{tag}-from-{source}"
     optim = dataclasses.replace(OPTIM, distributed_optimizer=not nodist)
-    trainer = PolicyTrainer(spec, parallel, runtime.device, optim, LossConfig(), 200)
+    trainer = PolicyTrainer(spec, parallel, runtime.device, optim, LossConfig(), 200,
+                            params_dtype=torch.bfloat16 if bf16 else None)
     samples = batch(hf)
     if full:
-        load_hf_weights(trainer.module, hf.state_dict().__getitem__, spec, parallel)
+        load_policy_weights(trainer, hf.state_dict().__getitem__)
         seed_all(11)
         for step in range(1, 4):
             trainer.step(step_batch(samples))
@@ -99,13 +117,16 @@ def run_layout(out_dir, mode, layout, spec, hf):
     result = trainer.step(step_batch(samples))
     draws = [None] * dist.get_world_size()
     dist.all_gather_object(draws, rng_draws())
+    masters = [None] * dist.get_world_size()
+    dist.all_gather_object(masters, master_digest(trainer))
     weights = gathered_hf_state(trainer.module, spec, parallel)
     if parallel_state.get_tensor_model_parallel_rank() == 0 and parallel_state.get_data_parallel_rank() == 0:
         stage = parallel_state.get_pipeline_model_parallel_rank()
         torch.save(weights, os.path.join(out_dir, f"{tag}-{mode}-stage{stage}.pt"))
     if dist.get_rank() == 0:
         record = {"loss": result.loss, "grad_norm": result.grad_norm, "lr": result.lr, "step_count": step_count,
-                  "extra": extra, "draws": draws}
+                  "extra": extra, "draws": draws, "masters": masters,
+                  "dtypes": sorted({str(p.dtype) for p in trainer.module.parameters()})}
         with open(os.path.join(out_dir, f"{tag}-{mode}.json"), "w") as f:
             json.dump(record, f)
     del trainer
@@ -113,10 +134,8 @@ def run_layout(out_dir, mode, layout, spec, hf):
 
 
 def main(out_dir, mode, layouts):
-    hf, cfg = hf_model("qwen2")
-    spec = model_spec_from_hf(cfg)
     for layout in layouts:
-        run_layout(out_dir, mode, layout, spec, hf)
+        run_layout(out_dir, mode, layout)
     shutdown_runtime()
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from weight_sync_worker import parity, sample, versions
 
-from megatron_dapo.checkpoint.hf_weights import load_hf_weights
+from megatron_dapo.checkpoint.hf_weights import load_policy_weights
 from megatron_dapo.checkpoint.safetensors_io import HFCheckpoint
 from megatron_dapo.config import ParallelConfig
 from megatron_dapo.policy.hf_config import model_spec_from_hf
@@ -45,7 +45,7 @@ def policy(model_dir, parallel: ParallelConfig):
     ckpt = HFCheckpoint(model_dir)
     spec = model_spec_from_hf(ckpt.config)
     trainer = PolicyTrainer(spec, parallel, runtime.device, OptimConfig(warmup_steps=0), LossConfig(), 512)
-    load_hf_weights(trainer.module, ckpt.get, spec, parallel)
+    load_policy_weights(trainer, ckpt.get)
     return trainer, spec, ckpt.config, runtime
 
 

@@ -11,7 +11,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from megatron_dapo.checkpoint.hf_weights import load_hf_weights
+from megatron_dapo.checkpoint.hf_weights import load_policy_weights
 from megatron_dapo.checkpoint.safetensors_io import HFCheckpoint
 from megatron_dapo.config import ParallelConfig
 from megatron_dapo.policy.batch import Sequence
@@ -69,7 +69,7 @@ def main(out_json, model_dir, url, work_dir, tp, pp, routes, bucket_mb):
     ckpt = HFCheckpoint(model_dir)
     spec = model_spec_from_hf(ckpt.config)
     trainer = PolicyTrainer(spec, parallel, runtime.device, OptimConfig(lr=2e-2, warmup_steps=0), LossConfig(), 512)
-    load_hf_weights(trainer.module, ckpt.get, spec, parallel)
+    load_policy_weights(trainer, ckpt.get)
     before = sample(url)
     before_diff, seqs = parity(trainer, spec, runtime, before)
     adv = torch.tensor([1.0, -1.0] * (len(seqs) // 2))

@@ -35,7 +35,7 @@ def runtime():
 def test_bf16_logprobs_and_a_training_step(runtime):
     from tiny_models import hf_model, hf_response_logprobs, sequences
 
-    from megatron_dapo.checkpoint.hf_weights import load_hf_weights
+    from megatron_dapo.checkpoint.hf_weights import load_policy_weights
     from megatron_dapo.policy.forward import response_logprobs
     from megatron_dapo.policy.hf_config import model_spec_from_hf
     from megatron_dapo.policy.train_step import LossConfig, OptimConfig, PolicyTrainer, RolloutSample
@@ -44,7 +44,7 @@ def test_bf16_logprobs_and_a_training_step(runtime):
     spec = model_spec_from_hf(cfg)
     trainer = PolicyTrainer(spec, runtime.parallel, runtime.device, OptimConfig(lr=1e-3, warmup_steps=0),
                             LossConfig(), max_tokens_per_micro_batch=130)
-    load_hf_weights(trainer.module, hf.state_dict().__getitem__, spec, runtime.parallel)
+    load_policy_weights(trainer, hf.state_dict().__getitem__)
     assert trainer.module.config.params_dtype == torch.bfloat16
     seqs = sequences()
     ref = hf_response_logprobs(hf, seqs)
