@@ -44,7 +44,7 @@ def task(tmp_path_factory):
 @pytest.fixture(scope="session")
 def demo(tmp_path_factory):
     """The demo's task and warm model, made as `megatron-dapo demo` makes them (seed 0): a minute on 2 idle cores.
-    test_tiny_cpu_config and test_bf16_on_cpu train it; nothing writes into it."""
+    test_tiny_cpu_config and test_gpu_check's end-to-end run train it; nothing writes into it."""
     from megatron_dapo.demo import WARM_START, prepare_task
     from megatron_dapo.demo.warm_start import supervised_warm_start
 

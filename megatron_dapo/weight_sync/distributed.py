@@ -20,6 +20,7 @@ import gc
 import itertools
 import logging
 import threading
+import time
 import weakref
 from collections.abc import Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
@@ -154,16 +155,19 @@ class DistributedSyncer:
         self.group, self.broken = None, True
 
         def release() -> None:
+            start = time.monotonic()
             try:
                 dist.destroy_process_group(held[-1])
             finally:
                 held.clear()
                 gc.collect()  # the failure's traceback cycles hold frames that may hold the group's collectives
-                if group() is not None:
-                    log.warning("weight sync: the dropped weight-update group is still referenced (%s); the servers "
-                                "left in its broadcast wait out rollout.weight_sync_timeout_s (%.0f s)",
-                                ", ".join(sorted({type(r).__name__ for r in gc.get_referrers(group())})),
-                                self.timeout_s)
+                took = time.monotonic() - start
+                if group() is not None or took > 5.0:
+                    log.warning("weight sync: dropping the weight-update group took %.1f s and it is %s; the "
+                                "servers left in its broadcast wait until it is gone, at most "
+                                "rollout.weight_sync_timeout_s (%.0f s)", took,
+                                "gone" if group() is None else "still referenced by " + ", ".join(
+                                    sorted({type(r).__name__ for r in gc.get_referrers(group())})), self.timeout_s)
 
         threading.Thread(target=release, daemon=True).start()
 

@@ -203,7 +203,7 @@ run_step "fused op CUDA tests" 120 pytest_figures "$PY" -m pytest tests/gpu -q -
 run_step "fused op benchmark" 90 bench_figures "$PY" bench/bench_dapo_loss.py --device cuda
 run_step "policy bf16 vs transformers" 90 policy_figures "$PY" -m pytest tests/gpu/test_policy_cuda.py -q -s -rfE \
     -p no:cacheprovider
-run_step "DAPO end to end (1 GPU)" 150 figures_lines "$PY" tests/gpu/e2e_dapo.py --device cuda --out "$out/e2e_dapo"
+run_step "DAPO end to end (1 GPU)" 240 figures_lines "$PY" tests/gpu/e2e_dapo.py --device cuda --out "$out/e2e_dapo"
 run_step "log-prob memory benchmark" 60 memory_figures "$PY" bench/bench_logprobs_memory.py --device cuda --tp 1
 # The local spec's attention without TE at the paper's length: one Qwen2.5-7B layer at TP4 (7 heads, 1 KV group).
 run_step "attention memory at 22.5k tokens" 90 attention_figures "$PY" bench/bench_attention_memory.py --device cuda \
