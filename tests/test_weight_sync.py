@@ -9,15 +9,20 @@ push's walk are checked without a server.
 """
 
 import json
+import os
+import signal
+import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import wait
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from conftest import sglang_server_as_started
 from torchrun_launch import torchrun
 
@@ -333,3 +338,47 @@ def test_a_server_killed_in_the_middle_of_a_distributed_sync_fails_it_fast_and_t
         assert p["detect_s"] < 10 and p["survivor_answers_s"] < 10, (point, p)  # far from the 60 s timeout
         for name in ("victim", "survivor"):  # recovered: both servers have the new weights
             assert p[name]["versions_after"] == [p["version"]] and p[name]["after"] < 1e-4, (point, name, p)
+
+
+def test_a_dropped_weight_group_releases_the_servers_left_in_its_broadcast(tmp_path):
+    """gloo, without servers: trainer rank 0 (here) and two server ranks. After two buckets, rank 1 is killed;
+    the third bucket's broadcast fails, the group is dropped (as after a failed push), and rank 2, which waits in
+    that broadcast for data that will not come, is released at once by rank 0's sockets closing, not after the
+    group's 30 s timeout. The failed push's error lives on (its traceback holds the broadcast's completion
+    future): nothing it holds may keep the collective, and with it the gloo context, alive."""
+    import datetime
+
+    from megatron_dapo.runtime import free_port
+    from megatron_dapo.weight_sync import distributed
+
+    port, name = free_port(), "weight_group_drop_test"
+    peers = [subprocess.Popen([sys.executable, str(Path(__file__).parent / "distributed" / "weight_group_peer.py"),
+                               "127.0.0.1", str(port), str(rank), "3", name, "2", str(tmp_path / f"rank{rank}.json")])
+             for rank in (1, 2)]
+    try:
+        group = distributed._join_as_rank0("gloo", "127.0.0.1", port, 3, name, datetime.timedelta(seconds=30))
+        bucket = torch.ones(4096)
+        for _ in range(2):  # the buckets before, each awaited as _push awaits them
+            work = dist.broadcast(bucket, group=group, group_src=0, async_op=True)
+            wait([distributed._completion(work)])
+            work.wait()
+        os.kill(peers[0].pid, signal.SIGKILL)
+        peers[0].wait()
+        work = dist.broadcast(bucket, group=group, group_src=0, async_op=True)
+        sent = distributed._completion(work)
+        wait([sent], timeout=30)
+        assert sent.exception() is not None  # the broadcast to the dead rank failed
+        syncer = object.__new__(distributed.DistributedSyncer)  # only its group, to drop it
+        syncer.group, syncer.broken = group, False
+        held = [work]
+        del work, group
+        dropped = time.monotonic()
+        syncer._drop_group(held)
+        peers[1].wait(timeout=60)
+        released_s = time.monotonic() - dropped
+    finally:
+        for p in peers:
+            p.kill()
+    result = json.loads((tmp_path / "rank2.json").read_text())
+    assert result["ended"] != "received" and released_s < 10, (released_s, result)  # measured: 0.1 s
+

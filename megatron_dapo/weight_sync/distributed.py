@@ -16,12 +16,9 @@ completes.
 
 from __future__ import annotations
 
-import gc
 import itertools
 import logging
 import threading
-import time
-import weakref
 from collections.abc import Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from datetime import timedelta
@@ -76,7 +73,10 @@ def _completion(work: dist.Work) -> Future:
             f.wait()
             done.set_result(None)
         except Exception as e:  # the collective's error, read by whoever waits on `done`
-            done.set_exception(e)
+            # Its text in a fresh exception: this one's traceback holds `f`, and through it the collective and its
+            # gloo context, whose sockets the servers left in the broadcast wait on until the group's timeout;
+            # the failed push's error, which holds `done`, lives on in the caller.
+            done.set_exception(RuntimeError(str(e)))
 
     work.get_future().add_done_callback(settle)
     return done
@@ -151,23 +151,13 @@ class DistributedSyncer:
         daemon, not to hold up the process's exit. The servers drop their side when the next sync forms the
         group anew."""
         held.append(self.group)
-        group = weakref.ref(self.group)
         self.group, self.broken = None, True
 
         def release() -> None:
-            start = time.monotonic()
             try:
                 dist.destroy_process_group(held[-1])
             finally:
                 held.clear()
-                gc.collect()  # the failure's traceback cycles hold frames that may hold the group's collectives
-                took = time.monotonic() - start
-                if group() is not None or took > 5.0:
-                    log.warning("weight sync: dropping the weight-update group took %.1f s and it is %s; the "
-                                "servers left in its broadcast wait until it is gone, at most "
-                                "rollout.weight_sync_timeout_s (%.0f s)", took,
-                                "gone" if group() is None else "still referenced by " + ", ".join(
-                                    sorted({type(r).__name__ for r in gc.get_referrers(group())})), self.timeout_s)
 
         threading.Thread(target=release, daemon=True).start()
 
