@@ -180,7 +180,7 @@ def test_train_then_sglang_step_killed_then_resume(cluster, task, tmp_path):
     assert [r["step"] for r in metrics(out)] == [1, 2, 3, 4]
     assert [r["staleness"] for r in metrics(out)][2:] == [0, 1]
     assert (out / "checkpoints" / "step_000004" / "COMPLETE").is_file()
-    assert "resumed from" in job_output(out, job)
+    assert "resumed from" in (out / f"dapo-{job}.out").read_text(errors="replace")  # early in the output
     assert_no_process_left(str(tmp_path), str(task))
 
 
@@ -224,10 +224,11 @@ def test_colocated_job_on_two_nodes_a_stopped_trainer_task_fails_it_naming_it_an
     stopped = time.monotonic()
     state, code = wait_job(cluster, job, out)
     ended_s = time.monotonic() - stopped
-    text = job_output(out, job)
+    # The whole output: the stopped task's torch stack traces, printed as it is terminated, can fill the tail.
+    text = (out / f"dapo-{job}.out").read_text(errors="replace")
     print(f"stopped trainer task: the job ended after {ended_s:.1f} s")
-    assert state == "FAILED", text
-    assert f"rank 1 (node n2, pid {pid}) has not beaten for" in text
+    assert state == "FAILED", text[-8000:]
+    assert f"rank 1 (node n2, pid {pid}) has not beaten for" in text, text[-8000:]
     assert "launch: FAILED: step 'train' on n1,n2 exited with code" in text
     assert_no_process_left(str(tmp_path), str(task))
 
