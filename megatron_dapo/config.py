@@ -145,6 +145,11 @@ ACTIVATION_RECOMPUTE = ("none", "full")
 TRAINING_DTYPES = ("auto", "bfloat16", "float32")
 
 
+def default_training_dtype(device: str) -> str:
+    """model.dtype "auto" on parallel.device `device`: the one definition of the default precision."""
+    return "bfloat16" if device == "cuda" else "float32"
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     path: str = ""  # Hugging Face folder: config.json, weights, tokenizer
@@ -170,9 +175,7 @@ class ModelConfig:
 
     def training_dtype(self, device: str) -> str:
         """model.dtype on parallel.device `device`: "bfloat16" or "float32"."""
-        if self.dtype != "auto":
-            return self.dtype
-        return "bfloat16" if device == "cuda" else "float32"
+        return self.dtype if self.dtype != "auto" else default_training_dtype(device)
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from megatron_dapo.config import ConfigError, ParallelConfig
+from megatron_dapo.config import ConfigError, ParallelConfig, default_training_dtype
 from megatron_dapo.policy.hf_config import ModelSpec
 from megatron_dapo.runtime import tensors_on_gpu
 
@@ -60,8 +60,7 @@ def transformer_config(spec: ModelSpec, parallel: ParallelConfig, params_dtype: 
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     check_divisibility(spec, parallel)
-    on_gpu = parallel.device == "cuda"
-    dtype = params_dtype or (torch.bfloat16 if on_gpu else torch.float32)
+    dtype = params_dtype or getattr(torch, default_training_dtype(parallel.device))
     return TransformerConfig(
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
