@@ -4,20 +4,15 @@ temperature, and the start-up check that refuses servers returning other log-pro
 import dataclasses
 import json
 import os
-import sys
-from pathlib import Path
 
 import pytest
 from conftest import sglang_server_as_started
 from torchrun_launch import torchrun
 
-sys.path.insert(0, str(Path(__file__).parent / "distributed"))
-from tiny_models import save_with_tokenizer  # noqa: E402
-
-from megatron_dapo.algorithm import AlgorithmConfig, DynamicSampler, PromptItem  # noqa: E402
-from megatron_dapo.rollout.engine import SamplingParams, sample_seed  # noqa: E402
-from megatron_dapo.rollout.sglang_engine import SGLangEngine  # noqa: E402
-from megatron_dapo.rollout.sglang_server import SGLangServer, SGLangServerConfig, ServerError  # noqa: E402
+from megatron_dapo.algorithm import AlgorithmConfig, DynamicSampler, PromptItem
+from megatron_dapo.rollout.engine import SamplingParams, sample_seed
+from megatron_dapo.rollout.sglang_engine import SGLangEngine
+from megatron_dapo.rollout.sglang_server import SGLangServer, SGLangServerConfig, ServerError
 
 pytestmark = pytest.mark.slow
 PROMPTS = ["What is 3 plus 4?", "Compute 12 times 3.", "If x + 2 = 5 then", "A triangle has angles",
@@ -30,10 +25,30 @@ def server(shared_sglang):
 
 
 class OriginalLogprobServer(SGLangServer):
-    """A server started elsewhere with SGLANG_RETURN_ORIGINAL_LOGPROB=1: temperature-1 log-probs."""
+    """A server started elsewhere with SGLANG_RETURN_ORIGINAL_LOGPROB=1: temperature-1 log-probs. Stopped as a GPU
+    server is (SIGTERM, and its main process ends its children), which the suite sees nowhere else."""
 
     def environment(self):
         return {**super().environment(), "SGLANG_RETURN_ORIGINAL_LOGPROB": "1"}
+
+    def stops_gracefully(self) -> bool:
+        return True
+
+
+@pytest.fixture(scope="module")
+def second_server(server, tmp_path_factory):
+    """A second server on the shared one's model, for two tests that each need a server unlike the shared one
+    (one start, not two): temperature-1 log-probs (OriginalLogprobServer), and samples that depend only on
+    (request, seed), whatever else it has batched (without --enable-deterministic-inference SGLang ignores the
+    per-sample seeds)."""
+    _, _, root = server
+    log = tmp_path_factory.mktemp("second_server") / "server.log"
+    config = SGLangServerConfig(str(root / "model"), device="cpu", dtype="float32", max_total_tokens=8192,
+                                startup_timeout_s=300, extra_args=["--enable-deterministic-inference"])
+    with OriginalLogprobServer(config, log) as srv:
+        yield srv
+    # Its graceful stop: SGLang did not take a child's exit for a crash (which made it wait 5 s for diagnostics).
+    assert "crashed" not in log.read_text()
 
 
 @pytest.fixture(scope="module")
@@ -90,19 +105,14 @@ def test_servers_we_start_drop_sglang_return_original_logprob(tmp_path, monkeypa
     assert os.environ["SGLANG_RETURN_ORIGINAL_LOGPROB"] == "1"  # the caller's own environment is left alone
 
 
-def test_servers_given_by_url_are_checked_for_tempered_logprobs(server, tmp_path):
+def test_servers_given_by_url_are_checked_for_tempered_logprobs(server, second_server, tmp_path):
     """The start-up check (rollout/logprob_check.py) at PP=2, where global rank 0 holds the engine and the last
     stage the recomputation: the default server passes at 0.7; one with SGLANG_RETURN_ORIGINAL_LOGPROB=1 is refused
     at 0.7, naming the keys and the variable, and passes at 1.0, where the two agree."""
     srv, _, root = server
-    config = SGLangServerConfig(str(root / "model"), device="cpu", dtype="float32", max_total_tokens=8192,
-                                startup_timeout_s=300)
-    with OriginalLogprobServer(config, tmp_path / "original.log") as original:
-        cases = [f"{srv.url}@0.7", f"{original.url}@0.7", f"{original.url}@1.0"]
-        torchrun("logprob_check_worker.py", 2, str(tmp_path / "out.json"), str(root / "model"), "1", "2", *cases)
-    # Stopped as a server is meant to stop: its main process ends its children, and SGLang does not take a child's
-    # exit for a crash (which made it wait 5 s for diagnostics before exiting).
-    assert "crashed" not in (tmp_path / "original.log").read_text()
+    original = second_server
+    cases = [f"{srv.url}@0.7", f"{original.url}@0.7", f"{original.url}@1.0"]
+    torchrun("logprob_check_worker.py", 2, str(tmp_path / "out.json"), str(root / "model"), "1", "2", *cases)
     result = json.loads((tmp_path / "out.json").read_text())
     good, bad, at_one = (result[c] for c in cases)
     assert all(r["same_on_every_rank"] and r["model_left_training"] for r in result.values())
@@ -132,20 +142,9 @@ def test_a_server_that_cannot_start_reports_its_log(tmp_path):
 # --- dynamic sampling against the real server: streaming and aborts keep the draw-order batch ---------------
 
 
-@pytest.fixture(scope="module")
-def deterministic_server(tmp_path_factory):
-    """A server whose samples depend only on (request, seed), whatever else it has batched: without
-    --enable-deterministic-inference SGLang ignores the per-sample seeds."""
-    root = tmp_path_factory.mktemp("sglang_deterministic")
-    tokenizer = save_with_tokenizer(root / "model")
-    config = SGLangServerConfig(str(root / "model"), device="cpu", dtype="float32", max_total_tokens=8192,
-                                startup_timeout_s=300, extra_args=["--enable-deterministic-inference"])
-    with SGLangServer(config, root / "server.log") as srv:
-        yield srv, tokenizer
-
-
-def test_dynamic_sampling_keeps_the_first_mixed_groups_in_draw_order(deterministic_server):
-    srv, tokenizer = deterministic_server
+def test_dynamic_sampling_keeps_the_first_mixed_groups_in_draw_order(server, second_server):
+    _, tokenizer, _ = server
+    srv = second_server  # deterministic; its log-probs (temperature-1) are not looked at
     texts = PROMPTS + ["Add 5 and 6", "Subtract 4 from 10", "Half of 18 is", "Twice 7 is"]
     prompts = [PromptItem(i, tokenizer.encode(t), "") for i, t in enumerate(texts)]
     # Ten stop tokens of 296: responses of 1 to 64 tokens. "Correct": an even first token.
