@@ -177,27 +177,38 @@ AGREED_FAULTS = {"rng@1": "rank 1: OSError: [Errno 28] No space left on device: 
                  "state@0": "rank 0: OSError: [Errno 28] No space left on device: '{tmp}/trainer_state.json'"}
 
 
-def write_failure(tmp_path, fault):
-    """Run ckpt_fault_worker.py; (its process, seconds from the fault to the run's exit)."""
-    proc = run_worker("ckpt_fault_worker.py", 2, str(tmp_path), fault, timeout=300)  # a hang fails here
-    stop_s = time.time() - float((tmp_path / "fault_time").read_text())
+def write_failures(out, *faults):
+    """Run ckpt_fault_worker.py through `faults` (a hang fails here); each one's results are in out/FAULT."""
+    proc = run_worker("ckpt_fault_worker.py", 2, str(out), *faults, timeout=300)
     assert proc.returncode != 0, proc.stdout[-3000:]
-    return proc, stop_s
 
 
-def said(tmp_path, rank):
-    file = tmp_path / f"rank{rank}.json"
+def fault_time(case) -> float:
+    return float((case / "fault_time").read_text())
+
+
+def said(case, rank):
+    file = case / f"rank{rank}.json"
     assert file.is_file(), f"rank {rank} raised no CheckpointWriteError"
     return json.loads(file.read_text())
 
 
+@pytest.fixture(scope="module")
+def agreed_failures(tmp_path_factory):
+    """The faults of AGREED_FAULTS one after the other in one run of the worker: one start of its ranks, not three."""
+    out = tmp_path_factory.mktemp("agreed_failures")
+    write_failures(out, *AGREED_FAULTS)
+    return out
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("fault", AGREED_FAULTS)
-def test_a_write_failing_on_one_rank_stops_every_rank_and_keeps_the_previous_checkpoint(tmp_path, fault):
-    _, stop_s = write_failure(tmp_path, fault)
-    root = tmp_path / "checkpoints"
+def test_a_write_failing_on_one_rank_stops_every_rank_and_keeps_the_previous_checkpoint(agreed_failures, fault):
+    case = agreed_failures / fault
+    root = case / "checkpoints"
     tmp, previous = root / "step_000002.tmp", root / "step_000001"
-    errors = [said(tmp_path, rank) for rank in (0, 1)]
+    errors = [said(case, rank) for rank in (0, 1)]
+    stop_s = max(e.pop("raised_at") for e in errors) - fault_time(case)
     assert errors[0] == errors[1]  # every rank raised the same error, naming the rank that failed
     assert errors[0]["error"].startswith(f"{tmp}: the checkpoint of step 2 could not be written: ")
     assert AGREED_FAULTS[fault].format(tmp=tmp) in errors[0]["error"]
@@ -206,17 +217,18 @@ def test_a_write_failing_on_one_rank_stops_every_rank_and_keeps_the_previous_che
     assert errors[0]["latest"] == str(previous) == str(latest_checkpoint(root))
     assert sorted(p.name for p in root.iterdir()) == ["step_000001"]  # leftover deleted, keep_last=1 pruned nothing
     assert read_trainer_state(previous)["step"] == 1
-    assert stop_s < 60, stop_s  # measured: 2.5 s to the exit of both ranks
+    assert stop_s < 60, stop_s  # measured: 2.5 s to the exit of both ranks, when each fault had a run of its own
 
 
 @pytest.mark.slow
 def test_a_write_failing_outside_megatrons_collective_error_path_stops_the_run(tmp_path):
     """megatron-core's coordinator writes common.pt alone, while the other ranks wait for it in the save: the
     coordinator raises at once and exits, and the launcher (torchrun here) stops the others."""
-    proc, stop_s = write_failure(tmp_path, "common@0")
-    root = tmp_path / "checkpoints"
+    write_failures(tmp_path, "common@0")
+    stop_s = time.time() - fault_time(tmp_path / "common@0")
+    root = tmp_path / "common@0" / "checkpoints"
     tmp = root / "step_000002.tmp"
-    error = said(tmp_path, 0)["error"]
+    error = said(tmp_path / "common@0", 0)["error"]
     assert error.startswith(f"{tmp}: the checkpoint of step 2 could not be written: rank 0: OSError: [Errno 28] No "
                             f"space left on device: '{tmp}/model/common.pt'; the latest complete checkpoint is still "
                             f"{root / 'step_000001'}")
