@@ -1,11 +1,13 @@
 """The DAPO loop end to end: a warm-started tiny model, math-verify rewards, dynamic sampling, the
-Megatron policy; with the in-process engine, and with a real SGLang server at TP=2 through a kill and
-a resume (the resumed step's metrics equal those of an uninterrupted run)."""
+Megatron policy; with the in-process engine, and with a real SGLang server at TP=2 through a stopped rank
+and a resume (the resumed step's metrics equal those of an uninterrupted run), in the overlapping modes
+through kills and resumes, and through faults."""
 
 import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -142,23 +144,39 @@ def beside(cfg: Path, nproc: int) -> Iterator[subprocess.Popen]:
             kill_tree(proc)
 
 
-def kill_after_checkpoint(cfg: Path, out: Path, step: int, nproc: int) -> Path:
-    """Launch the run and SIGKILL it, all of it, once the checkpoint of `step` is complete; returns that
-    checkpoint's folder."""
+def launch_until_checkpoint(cfg: Path, out: Path, step: int, nproc: int) -> tuple[subprocess.Popen, Path]:
+    """Launch the run and wait until the checkpoint of `step` is complete: (the run, that checkpoint's folder)."""
     proc = launch(cfg, nproc)
     marker = out / "checkpoints" / f"step_{step:06d}" / "COMPLETE"
     deadline = time.monotonic() + 900
     while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert marker.exists(), cfg.with_suffix(".log").read_text()[-8000:]
+    if not marker.exists():
+        kill_tree(proc)
+        pytest.fail(cfg.with_suffix(".log").read_text()[-8000:])
+    return proc, marker.parent
+
+
+def kill_after_checkpoint(cfg: Path, out: Path, step: int, nproc: int) -> Path:
+    """Launch the run and SIGKILL it, all of it, once the checkpoint of `step` is complete; returns that
+    checkpoint's folder."""
+    proc, checkpoint = launch_until_checkpoint(cfg, out, step, nproc)
     kill_tree(proc)  # mid-run: the next step has started or is about to
-    return marker.parent
+    return checkpoint
 
 
-def test_sglang_tp2_killed_and_resumed_matches_an_uninterrupted_run(task, tmp_path):
+def test_sglang_tp2_a_stopped_rank_ends_the_run_naming_it_and_the_resumed_run_matches_an_uninterrupted_one(
+        task, tmp_path):
+    """At TP=2 with a real SGLang server, rank 1 is stopped (SIGSTOP) once the checkpoint of step 3 is written.
+    Without the heartbeat rank 0 would wait in its next collective for parallel.distributed_timeout_minutes; with
+    it, rank 0 names rank 1 within parallel.heartbeat_timeout_s and exits, torchrun stops rank 1, and the rollout
+    service stops its server: no process of the run is left. Rerun, it resumes from step 3, and its step 4 equals
+    that of the uninterrupted run beside it. (One stopped run, not a killed one and a stopped one: the other
+    SGLang runs below are killed and resumed.)"""
     sglang = {"engine": "sglang", "server_device": "cpu", "weight_sync": "disk", "server_startup_timeout_s": 900,
               "deterministic": True}
-    sections = dict(rollout=sglang, parallel={"device": "cpu", "seed": 7, "tensor_parallel": 2})
+    sections = dict(rollout=sglang, parallel={"device": "cpu", "seed": 7, "tensor_parallel": 2,
+                                              "heartbeat_timeout_s": 10})
     full_out = tmp_path / "full"
     full = config(task, full_out, **sections, train={"steps": 4, "checkpoint_every": 3},
                   eval={"every": 0})
@@ -166,8 +184,30 @@ def test_sglang_tp2_killed_and_resumed_matches_an_uninterrupted_run(task, tmp_pa
     cfg = config(task, out, **sections, train={"steps": 4, "checkpoint_every": 3},
                   eval={"every": 0})
     with beside(full, 2) as uninterrupted:
-        kill_after_checkpoint(cfg, out, 3, 2)  # step 4 has started or is about to
+        proc, _ = launch_until_checkpoint(cfg, out, 3, 2)  # step 4 has started or is about to
+        try:
+            tree = [psutil.Process(proc.pid)] + psutil.Process(proc.pid).children(recursive=True)
+            (rank1,) = [p for p in tree
+                        if "megatron_dapo.cli" in " ".join(p.cmdline()) and p.environ().get("RANK") == "1"]
+            assert any("sglang.launch_server" in " ".join(p.cmdline()) for p in tree)
+            os.kill(rank1.pid, signal.SIGSTOP)
+            stopped = time.monotonic()
+            rc = proc.wait(timeout=300)
+            ended_s = time.monotonic() - stopped
+            _, alive = psutil.wait_procs(tree, timeout=60)
+            left_s = time.monotonic() - stopped
+        finally:
+            if proc.poll() is None:
+                kill_tree(proc)
         finish(uninterrupted, full)
+    log = cfg.with_suffix(".log").read_text()
+    print(f"stopped trainer rank: the job ended after {ended_s:.1f} s, its last process after {left_s:.1f} s")
+    assert rc != 0
+    assert f"rank 1 (node {socket.gethostname()}, pid {rank1.pid}) has not beaten for" in log, log[-8000:]
+    assert "parallel.heartbeat_timeout_s = 10" in log
+    assert not alive, [p.cmdline() for p in alive]  # no orphan: the service stopped its server
+    assert ended_s < 10 + 30 + 30  # the timeout, torchrun's 30 s grace for the stopped rank, a busy CPU's slack
+
     finish(launch(cfg, 2), cfg)  # resumes from step 3
 
     want, got = metrics(full_out), metrics(out)
