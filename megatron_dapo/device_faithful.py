@@ -8,8 +8,11 @@ first GPU step. In this mode every storage carries the place the GPU path would 
   tensor), moved there (`.cuda()`, `.to(cuda)`), or computed from device tensors;
 - *host*: made by a Python-level torch call without a CUDA device (`torch.tensor(list)`,
   `torch.zeros(n)`), or moved there (`.cpu()`, `.to("cpu")`, which copy, as they do from a GPU);
-- *unknown*: made inside torch's C++ (backward formulas, `torch.load`), which on a GPU follows the
-  tensors it is used with; it takes the place of the first tensor it meets.
+- *host* too: whatever comes from outside torch's ops, as on a GPU: `torch.from_numpy`, `torch.frombuffer`,
+  `torch.as_tensor` of an array, a `torch.load`-ed or unpickled tensor (its storage takes the place of the
+  host tensor it is set into), a buffer that a gloo collective fills;
+- *unknown*: made inside torch's C++ (backward formulas), which on a GPU follows the tensors it is used
+  with; it takes the place of the first tensor it meets.
 
 An op that mixes device and host tensors raises the error CUDA raises (0-dim host tensors are allowed,
 as CUDA allows CPU scalars; so are cross-device copies and host index tensors); `.numpy()` of a device
@@ -233,6 +236,7 @@ _aten = torch.ops.aten
 _COPIES = {_aten.copy_.default, _aten._copy_from.default, _aten._copy_from_and_resize.default}
 _CROSS_DEVICE = {_aten._local_scalar_dense.default, _aten.set_.source_Storage,
                  _aten.set_.source_Storage_storage_offset, _aten.set_.source_Tensor}
+_SET_STORAGE = {_aten.set_.source_Storage, _aten.set_.source_Storage_storage_offset}
 _INDEXING = {_aten.index.Tensor, _aten.index_put_.default, _aten.index_put.default,
              _aten._index_put_impl_.default, _aten._unsafe_index.Tensor, _aten._unsafe_index_put.default}
 _NOT_CHECKED_COLLECTIVES = {"barrier", "monitored_barrier"}
@@ -270,7 +274,11 @@ class DeviceCheckMode(TorchDispatchMode):
                 _set(args[0], place(args[1]))
             return func(*args, **kwargs)
         if func in _CROSS_DEVICE:
-            return func(*args, **kwargs)
+            before = place(args[0]) if func in _SET_STORAGE else None
+            out = func(*args, **kwargs)
+            if before is not None and place(args[0]) is None:  # a storage of no place (unpickled) takes the
+                _set(args[0], before)  # tensor's: torch.load and pickle make it a host tensor, then set it there
+            return out
         tensors = list(_tensors(args)) + list(_tensors(kwargs.values()))
         if not tensors:
             return func(*args, **kwargs)
@@ -310,7 +318,12 @@ class DeviceCheckMode(TorchDispatchMode):
         if func._opname in _NOT_CHECKED_COLLECTIVES:  # no data: NCCL's barrier makes its own device tensor
             return
         groups = [g for g in (_group_name(a) for a in args if isinstance(a, torch.ScriptObject)) if g is not None]
-        if not groups or groups[0] in _host_groups:
+        if not groups:
+            return
+        if groups[0] in _host_groups:  # gloo on GPUs too: what it reads and fills is host memory
+            for t in _tensors(args):
+                if place(t) is None:
+                    _set(t, HOST)
             return
         host = [t for t in _tensors(args) if place(t) is HOST]
         if host:
@@ -352,6 +365,13 @@ class _DeviceGenerator(torch.Generator):
         return super().__new__(cls, "cpu" if is_cuda_device(device) else device)
 
 
+def _host_factory(factory):
+    """A factory that torch's modes do not see (it takes no tensor): what it makes is host memory."""
+    def made(*args, **kwargs):
+        return _set(factory(*args, **kwargs), HOST)
+    return made
+
+
 class DeviceFaithful:
     """Installs the modes and patches on enter; restores everything on exit."""
 
@@ -372,6 +392,8 @@ class DeviceFaithful:
         self._patch(c10d, "_get_object_coll_device", _object_coll_device(c10d._get_object_coll_device))
         self._patch(torch, "Generator", _DeviceGenerator)
         self._patch(torch.cuda, "current_device", lambda: local_device().index)
+        for name in ("from_numpy", "frombuffer"):
+            self._patch(torch, name, _host_factory(getattr(torch, name)))
         self._modes = [FaithfulFunctionMode(), DeviceCheckMode()]
         for mode in self._modes:
             mode.__enter__()

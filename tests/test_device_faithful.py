@@ -1,5 +1,8 @@
 """The device-faithful CPU mode fails where a GPU would, and lets through what a GPU runs."""
 
+import io
+import pickle
+
 import numpy as np
 import pytest
 import torch
@@ -107,3 +110,37 @@ def test_off_unless_asked(monkeypatch):
         torch.zeros(3, device="cuda") - torch.ones(3)  # the plain CPU redirects
     finally:
         cpu_compat.deactivate()
+
+
+def _loaded(t: torch.Tensor) -> torch.Tensor:
+    buf = io.BytesIO()
+    torch.save(t, buf)
+    buf.seek(0)
+    return torch.load(buf)
+
+
+def _gloo_filled(host_group) -> torch.Tensor:
+    with torch._C.DisableTorchFunction():  # made out of the modes' sight, as torch's C++ makes buffers: no place
+        buf = torch.empty(3)
+    dist.broadcast(buf, src=0, group=host_group)
+    return buf
+
+
+# Tensors that come from outside torch's ops: host memory on a GPU, whatever they meet later.
+MADE_OUTSIDE = {
+    "frombuffer": lambda g: torch.frombuffer(bytearray(12), dtype=torch.float32),
+    "from_numpy": lambda g: torch.from_numpy(np.ones(3, dtype=np.float32)),
+    "as_tensor": lambda g: torch.as_tensor(np.ones(3, dtype=np.float32)),
+    "torch.load": lambda g: _loaded(torch.ones(3)),
+    "unpickled": lambda g: pickle.loads(pickle.dumps(torch.ones(3))),
+    "gloo-filled": _gloo_filled,
+}
+
+
+@pytest.mark.parametrize("make", MADE_OUTSIDE)
+def test_tensors_made_outside_torch_ops_are_host_memory(world, make):
+    host = MADE_OUTSIDE[make](world)
+    assert not host.is_cuda
+    with pytest.raises(DeviceMixError, match="Expected all tensors to be on the same device"):
+        torch.zeros(3, device="cuda") + host
+    assert (host.cuda() + torch.zeros(3, device="cuda")).is_cuda  # moved, it is device memory
