@@ -8,10 +8,15 @@ case inherits another's heap. Peak memory is the extra over the inputs: on CPU t
 (VmHWM, reset through /proc/self/clear_refs after the inputs and a small warm-up call) minus the resident
 size before the call, with glibc mapping every large buffer afresh; on a GPU torch.cuda.max_memory_allocated
 minus the memory allocated before. Megatron's path holds several [heads, s, s] fp32 buffers (scores,
-probabilities, their gradients); the defaults keep it near 5 GiB at 8k tokens.
+probabilities, their gradients); the defaults keep it near 5 GiB at 8k tokens. Each case is warmed up at
+the measured shape (a first call at a new shape builds the backend's plan on a GPU) and measured --repeats times:
+the median time, the highest peak. The SDPA kernel that ran is read from torch's profiler.
+
+With MEGATRON_DAPO_DEVICE_FAITHFUL=1 on the CPU (as the suite runs it, at tiny sizes) the cases follow the GPU's
+placement and fail where it would; its per-op bookkeeping is timed too, so leave it off to measure.
 
     python bench/bench_attention_memory.py [--tokens 2048 4096 8192] [--heads 4] [--groups 2] [--head-dim 64]
-                                           [--device cpu cuda]
+                                           [--repeats 3] [--device cpu cuda]
 """
 
 from __future__ import annotations
@@ -19,11 +24,13 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import statistics
 import sys
 import time
 
 import torch
 import torch.multiprocessing as mp
+from worker_results import result_of
 
 from megatron_dapo.runtime import free_port
 
@@ -84,47 +91,66 @@ def measure(module, args, device: str) -> tuple[float, int]:
     return time.perf_counter() - t0, (_kib("VmHWM:") - base) * 1024
 
 
-def case(impl, tokens, heads, groups, head_dim, device, port, results):
+# torch's SDPA kernels, by the op its dispatcher picks (the profiler names it)
+SDPA_KERNELS = {"aten::_scaled_dot_product_flash_attention": "flash",
+                "aten::_scaled_dot_product_cudnn_attention": "cudnn",
+                "aten::_scaled_dot_product_efficient_attention": "mem-efficient",
+                "aten::_scaled_dot_product_flash_attention_for_cpu": "flash (cpu)",
+                "aten::_scaled_dot_product_attention_math": "math"}
+
+
+def sdpa_kernel(module, q, k, v) -> str:
+    """The SDPA kernel a forward of `module` runs."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU]) as prof:
+        module(q, k, v, None)
+    ran = [SDPA_KERNELS[e.name] for e in prof.events() if e.name in SDPA_KERNELS]
+    return ran[0] if ran else "none"
+
+
+def case(impl, tokens, heads, groups, head_dim, device, repeats, port, results):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    os.environ.pop("MEGATRON_DAPO_DEVICE_FAITHFUL", None)  # its per-op bookkeeping would be timed too
     from megatron_dapo.config import ParallelConfig
     from megatron_dapo.runtime import init_runtime, shutdown_runtime
 
-    init_runtime(ParallelConfig(device=device))
+    runtime = init_runtime(ParallelConfig(device=device))
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    dev = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
     module = attention(impl, heads, groups, head_dim, dtype)
-    forward_backward(module, *inputs(64, heads, groups, head_dim, dtype, dev))  # warm-up, outside the measurement
-    args = inputs(tokens, heads, groups, head_dim, dtype, dev)
-    seconds, peak = measure(module, args, device)
-    results.put({"seconds": seconds, "peak_bytes": peak})
+    args = inputs(tokens, heads, groups, head_dim, dtype, runtime.device)
+    forward_backward(module, *args)  # warm-up at the measured shape, outside the measurement
+    runs = []
+    for _ in range(repeats):
+        for t in args[:3]:
+            t.grad = None  # each backward allocates its gradients, as the first did
+        runs.append(measure(module, args, device))
+    results.put({"seconds": statistics.median(s for s, _ in runs), "peak_bytes": max(p for _, p in runs),
+                 "kernel": sdpa_kernel(module, *args[:3]) if impl == "sdpa" else "-"})
     shutdown_runtime()
 
 
-def run(device: str, token_counts: list[int], heads: int, groups: int, head_dim: int) -> None:
+def run(device: str, token_counts: list[int], heads: int, groups: int, head_dim: int, repeats: int) -> None:
     ctx = mp.get_context("spawn")
     rows = []
     for tokens in token_counts:
         out = {}
         for impl in IMPLS:
             results = ctx.Queue()
-            p = ctx.Process(target=case, args=(impl, tokens, heads, groups, head_dim, device, free_port(), results))
+            p = ctx.Process(target=case, args=(impl, tokens, heads, groups, head_dim, device, repeats, free_port(),
+                                               results))
             p.start()
-            out[impl] = results.get(timeout=3600)
-            p.join()
-            if p.exitcode != 0:
-                raise RuntimeError(f"{impl} at {tokens} tokens: the process exited with {p.exitcode}")
+            out[impl] = result_of([p], results, f"{impl} at {tokens} tokens")
         rows.append((tokens, out))
     dtype = "bf16" if device == "cuda" else "fp32"
     print(f"\n== {device}: causal attention forward + backward, {heads} heads / {groups} KV groups, head_dim "
-          f"{head_dim}, batch 1, {dtype}; peak extra memory ==")
+          f"{head_dim}, batch 1, {dtype}; peak extra memory, median time of {repeats} ==")
     print(f"{'tokens':>7} {'megatron GiB':>12} {'sdpa GiB':>9} {'sdpa/megatron':>13} {'megatron s':>10} "
-          f"{'sdpa s':>7} {'sdpa/megatron time':>18}")
+          f"{'sdpa s':>7} {'sdpa/megatron time':>18} {'sdpa kernel':>13}")
     for tokens, out in rows:
         m, s = out["megatron"], out["sdpa"]
         m_gib, s_gib = m["peak_bytes"] / 2**30, s["peak_bytes"] / 2**30
-        print(f"{tokens:>7} {m_gib:>12.3f} {s_gib:>9.3f} {s_gib / m_gib:>13.4f} {m['seconds']:>10.2f} "
-              f"{s['seconds']:>7.2f} {s['seconds'] / m['seconds']:>17.2f}x")
+        print(f"{tokens:>7} {m_gib:>12.3f} {s_gib:>9.3f} {s_gib / m_gib:>13.4f} {m['seconds']:>10.4f} "
+              f"{s['seconds']:>7.4f} {s['seconds'] / m['seconds']:>17.2f}x {s['kernel']:>13}")
     sys.stdout.flush()
 
 
@@ -134,6 +160,7 @@ def main():
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--groups", type=int, default=2)
     parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", nargs="+", default=["cpu", "cuda"], choices=["cpu", "cuda"])
     args = parser.parse_args()
     if any(os.environ.get(k) != v for k, v in MALLOC_ENV.items()):
@@ -142,7 +169,7 @@ def main():
         if device == "cuda" and not torch.cuda.is_available():
             print("\n== cuda: no GPU here, section skipped ==")
             continue
-        run(device, args.tokens, args.heads, args.groups, args.head_dim)
+        run(device, args.tokens, args.heads, args.groups, args.head_dim, args.repeats)
 
 
 if __name__ == "__main__":

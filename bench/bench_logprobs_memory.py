@@ -28,6 +28,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from worker_results import result_of
+
 from megatron_dapo.policy.logprobs import vocab_parallel_logprobs
 from megatron_dapo.runtime import free_port
 
@@ -63,15 +65,20 @@ class _OutputLayer(torch.autograd.Function):
         return torch.zeros(1, device=grad.device), None
 
 
+def _anchor(logits):
+    """The output layer's stand-in weight: on the logits' device, where its gradient (made from theirs) lands."""
+    return torch.zeros(1, device=logits.device, requires_grad=True)
+
+
 def ours(logits, targets, vocab, tp_rank, group):
-    x = _OutputLayer.apply(torch.zeros(1, requires_grad=True), logits)
+    x = _OutputLayer.apply(_anchor(logits), logits)
     logp, entropy = vocab_parallel_logprobs(x, targets, vocab_start=tp_rank * logits.shape[1], vocab_size=vocab,
                                             group=group, inplace_backward=True)
     logp.sum().backward()
 
 
 def naive(logits, targets, vocab, tp_rank, group):
-    x = _OutputLayer.apply(torch.zeros(1, requires_grad=True), logits)
+    x = _OutputLayer.apply(_anchor(logits), logits)
     if group is not None and dist.get_world_size(group) > 1:
         from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 
@@ -107,11 +114,11 @@ def worker(rank, world, port, tokens, vocab, device, results):
     from megatron_dapo.runtime import init_runtime, shutdown_runtime
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    init_runtime(ParallelConfig(tensor_parallel=world, device=device))
+    runtime = init_runtime(ParallelConfig(tensor_parallel=world, device=device))
     from megatron.core import parallel_state
 
     group = parallel_state.get_tensor_model_parallel_group()
-    dev = torch.device("cuda", rank) if device == "cuda" else torch.device("cpu")
+    dev = runtime.device  # a device-faithful CPU run (the suite's) follows the GPU's placement
     g = torch.Generator().manual_seed(0)
     padded = -(-vocab // (128 * world)) * 128 * world
     cols = padded // world
@@ -154,11 +161,7 @@ def run(device: str, tokens: int, vocab: int, tp_sizes: list[int]):
         procs = [ctx.Process(target=worker, args=(r, tp, port, counts, vocab, device, results)) for r in range(tp)]
         for p in procs:
             p.start()
-        out = results.get(timeout=3600)
-        for p in procs:
-            p.join()
-            if p.exitcode != 0:
-                raise RuntimeError(f"TP={tp} worker exited with {p.exitcode}")
+        out = result_of(procs, results, f"TP={tp}")
         rows.append((tp, out))
     print(f"\n== {device}: log-probs + entropy, forward + backward, {tokens} tokens, vocab {vocab}, bf16 logits; "
           "peak extra memory per TP rank ==")

@@ -107,9 +107,10 @@ bench_figures() { # the CUDA table's largest row: tokens, fused ms, GB/s, share 
         printf "%s GB/s = %s of a copy\n", f[10], f[12] }' "$1"
     grep -o 'max |grad fused - grad reference|.*' "$1" | sed 's/over the runs//'
 }
-attention_figures() { # the longest row: tokens, megatron GiB, sdpa GiB, seconds
-    awk '/^== cuda:/ { cuda = 1 } cuda && NF == 7 && $1 ~ /^[0-9]+$/ { row = $0 } END { if (row != "") {
-        split(row, f, " "); printf "%s tokens: sdpa %s GiB vs megatron %s GiB, %s s vs %s s\n", f[1], f[3], f[2], f[6], f[5] } }' "$1"
+attention_figures() { # the longest row: tokens, megatron GiB, sdpa GiB, median seconds, SDPA kernel
+    awk '/^== cuda:/ { cuda = 1 } cuda && NF == 8 && $1 ~ /^[0-9]+$/ { row = $0 } END { if (row != "") {
+        split(row, f, " "); printf "%s tokens: sdpa %s GiB vs megatron %s GiB, %s s vs %s s (median), %s kernel\n",
+            f[1], f[3], f[2], f[6], f[5], f[8] } }' "$1"
 }
 memory_figures() { # TP=1 row: ours GiB, naive GiB, ratio
     awk '/^== cuda:/ { cuda = 1 }

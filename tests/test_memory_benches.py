@@ -1,0 +1,60 @@
+"""The log-prob and attention memory benchmarks run on the CPU under the device-faithful mode, at tiny sizes: a
+host / device slip in a bench fails here rather than on a GPU, and a worker that dies fails its bench at once,
+naming it."""
+
+import multiprocessing as mp
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).parents[1] / "bench"
+sys.path.insert(0, str(BENCH))
+from worker_results import result_of  # noqa: E402
+
+
+def bench(script: str, *args: str) -> str:
+    env = {**os.environ, "MEGATRON_DAPO_DEVICE_FAITHFUL": "1", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, str(BENCH / script), "--device", "cpu", *args], capture_output=True,
+                          text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    return done.stdout
+
+
+def table(out: str, first: str) -> list[list[str]]:
+    lines = out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.split()[:1] == [first])
+    return [line.split() for line in lines[header + 1:] if line.strip() and line.split()[0].isdigit()]
+
+
+def test_the_logprobs_memory_bench_runs_device_faithful_at_tp_1_and_2():
+    rows = table(bench("bench_logprobs_memory.py", "--tokens", "256", "--vocab", "1000", "--tp", "1", "2"), "TP")
+    assert [r[0] for r in rows] == ["1", "2"]
+    assert all(float(r[3]) > 0 for r in rows)  # ours / naive peak memory
+
+
+def test_the_attention_memory_bench_runs_device_faithful_and_names_the_sdpa_kernel():
+    out = bench("bench_attention_memory.py", "--tokens", "128", "--heads", "2", "--groups", "1", "--head-dim", "16",
+                "--repeats", "3")
+    (row,) = table(out, "tokens")
+    assert row[0] == "128" and "median time of 3" in out
+    assert " ".join(row[7:]) in ("flash (cpu)", "math"), row  # torch's CPU kernels
+
+
+@pytest.mark.parametrize("layout", ["alone", "beside a live one"])
+def test_a_dead_worker_fails_its_bench_at_once_naming_it(layout):
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=time.sleep, args=(60,))] if layout != "alone" else []
+    procs.append(ctx.Process(target=os._exit, args=(3,)))
+    for p in procs:
+        p.start()
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=f"TP=2: worker {len(procs) - 1} exited with 3"):
+        result_of(procs, ctx.Queue(), "TP=2")
+    assert time.monotonic() - start < 10  # not the 3600 s the result is waited for
+    for p in procs:
+        p.join(timeout=5)
+    assert not any(p.is_alive() for p in procs)  # the live one is stopped too
