@@ -110,6 +110,26 @@ def test_buckets_are_bounded_ordered_and_exact(monkeypatch):
     assert len(buffers) == 1  # one buffer, refilled
 
 
+def test_the_tensor_route_takes_servers_that_load_through_our_loader_and_refuses_others(server, monkeypatch):
+    """Our servers load the tensor route's buckets through server_weight_loader, whose answer means the bucket was
+    read (SGLang answers before its copies out of the shared buffer have run); one started without it is refused
+    by name, before anything is pushed."""
+    from megatron_dapo.rollout.server_weight_loader import LOADER
+    from megatron_dapo.runtime import free_port
+    from megatron_dapo.weight_sync import tensor
+
+    srv, _ = server
+    assert server_calls.server_info(srv.url)["custom_weight_loader"] == [LOADER]
+    monkeypatch.setattr(tensor, "server_info", lambda url: {"tp_size": 1, "custom_weight_loader": []})
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        with pytest.raises(server_calls.WeightUpdateError,
+                           match=f"http://127.0.0.1:1: started without --custom-weight-loader {LOADER}"):
+            tensor.TensorSyncer(["http://127.0.0.1:1"], _spec(), ParallelConfig(device="cpu"), 2**20)
+    finally:
+        dist.destroy_process_group()
+
+
 def test_bad_routes_and_sizes_are_refused_by_name(tmp_path):
     spec, parallel = _spec(), ParallelConfig(device="cpu")
     with pytest.raises(ValueError, match="rollout.weight_sync must be one of distributed, tensor, disk; got 'nccl'"):

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from megatron_dapo.rollout.server_key import auth_headers, keyed_command
+from megatron_dapo.rollout.server_weight_loader import LOADER
 from megatron_dapo.runtime import free_port
 
 CPU_SHIM = Path(__file__).parent / "cpu_shim"
@@ -194,6 +195,7 @@ class SGLangServer(ServerProcess):
         if c.max_total_tokens:
             args += ["--max-total-tokens", str(c.max_total_tokens)]
         args += CPU_FLAGS if c.device == "cpu" else ["--base-gpu-id", str(c.base_gpu_id)]
+        args += ["--custom-weight-loader", LOADER]  # the tensor route's: its answer means the bucket was read
         return keyed_command(sys.executable, "sglang.launch_server", args + list(c.extra_args))
 
     def environment(self) -> dict[str, str]:

@@ -107,11 +107,6 @@ def server_info(url: str, timeout_s: float = 30.0) -> dict:
     return info
 
 
-def server_tp_size(url: str) -> int:
-    """How many tensor-parallel ranks (weight receivers) the server runs."""
-    return int(server_info(url)["tp_size"])
-
-
 def push_buckets(urls: list[str], buckets: Iterable[Bucket], push: Callable[[Bucket], None],
                  timeout_s: float) -> SyncMetrics | None:
     """Collective over the trainer's ranks: every rank walks `buckets`; a rank given the `urls` of the

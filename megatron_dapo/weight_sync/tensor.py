@@ -31,9 +31,10 @@ import torch.multiprocessing  # noqa: F401  (registers the tensor reductions For
 
 from megatron_dapo.config import ParallelConfig
 from megatron_dapo.policy.hf_config import ModelSpec
+from megatron_dapo.rollout.server_weight_loader import LOADER
 from megatron_dapo.weight_sync.buckets import iter_hf_buckets, plain_buffer
 from megatron_dapo.weight_sync.metrics import SyncMetrics
-from megatron_dapo.weight_sync.server_calls import WeightUpdateError, call_all, push_buckets, server_tp_size
+from megatron_dapo.weight_sync.server_calls import WeightUpdateError, call_all, push_buckets, server_info
 
 
 def shared_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
@@ -105,7 +106,14 @@ class TensorSyncer:
         pusher_of = [first_rank[name] for name in placed]
         self.pushers = sorted(set(pusher_of))  # the ranks that receive the full tensors
         self.urls = [u for u, rank in zip(server_urls, pusher_of) if rank == dist.get_rank()]  # this rank's servers
-        self.tp_sizes = [server_tp_size(u) for u in self.urls]
+        infos = [server_info(u) for u in self.urls]
+        self.tp_sizes = [int(info["tp_size"]) for info in infos]
+        refused = [u for u, info in zip(self.urls, infos) if LOADER not in (info.get("custom_weight_loader") or [])]
+        if refused:
+            raise WeightUpdateError(
+                f"{', '.join(refused)}: started without --custom-weight-loader {LOADER}; the tensor route needs it "
+                "(without it a server answers before it has read the bucket, and the next one overwrites it). "
+                "Start the servers with it (megatron-dapo's own do), or use the 'disk' route")
         if parallel.device == "cpu" and self.urls:
             use_file_system_sharing()
 
@@ -118,7 +126,7 @@ class TensorSyncer:
         def push(bucket):
             named = bucket.named_tensors()
             # One pickle per receiving rank: each unpickling takes back the reference its pickling added.
-            payloads = [{"serialized_named_tensors": [serialize(named) for _ in range(tp)],
+            payloads = [{"serialized_named_tensors": [serialize(named) for _ in range(tp)], "load_format": LOADER,
                          "flush_cache": bucket.last, "weight_version": version if bucket.last else None}
                         for tp in self.tp_sizes]
             call_all(self.urls, "/update_weights_from_tensor", lambda i: payloads[i], self.timeout_s)
