@@ -30,12 +30,14 @@ def table(out: str, first: str) -> list[list[str]]:
     return [line.split() for line in lines[header + 1:] if line.strip() and line.split()[0].isdigit()]
 
 
+@pytest.mark.slow
 def test_the_logprobs_memory_bench_runs_device_faithful_at_tp_1_and_2():
     rows = table(bench("bench_logprobs_memory.py", "--tokens", "256", "--vocab", "1000", "--tp", "1", "2"), "TP")
     assert [r[0] for r in rows] == ["1", "2"]
     assert all(float(r[3]) > 0 for r in rows)  # ours / naive peak memory
 
 
+@pytest.mark.slow
 def test_the_attention_memory_bench_runs_device_faithful_and_names_the_sdpa_kernel():
     out = bench("bench_attention_memory.py", "--tokens", "128", "--heads", "2", "--groups", "1", "--head-dim", "16",
                 "--repeats", "3")
