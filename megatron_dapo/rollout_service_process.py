@@ -189,7 +189,7 @@ def _serve(cfg: DapoConfig, dp_size: int, conn) -> None:
     engine = service = None
     try:
         # The servers start (minutes on GPUs) while the service loads its tokenizer, data and reward workers.
-        engine = sglang_engine(cfg.rollout, cfg.model.path, Path(cfg.train.output_dir) / "sglang",
+        engine = sglang_engine(cfg, Path(cfg.train.output_dir) / "sglang",
                                on_server_restart=lambda url: service.jobs.server_restarted(url), wait=False)
         service = RolloutService(cfg, engine, dp_size)
         engine.wait_launched()

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from megatron_dapo.cli import main
-from megatron_dapo.config import ConfigError, RolloutConfig
+from megatron_dapo.config import ConfigError
 from megatron_dapo.demo.tiny_model import make_tiny_model
 from megatron_dapo.preflight import Hardware, preflight
 from megatron_dapo.preflight.estimate import model_architecture, model_parameters, stage_parameters
@@ -148,5 +148,7 @@ def test_timeout_keys_are_validated(override, key):
 
 
 def test_the_engine_gets_the_request_timeout(tmp_path):
-    engine = sglang_engine(RolloutConfig(server_urls=["http://127.0.0.1:1"], request_timeout_s=1234.0), "m", tmp_path)
+    cfg = config_from_dict({"model": {"path": "m"}, "data": {"train_path": "d.jsonl"}},
+                           ['rollout.server_urls=["http://127.0.0.1:1"]', "rollout.request_timeout_s=1234.0"])
+    engine = sglang_engine(cfg, tmp_path)
     assert engine.timeout == 1234.0

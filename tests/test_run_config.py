@@ -127,12 +127,24 @@ def test_colocated_servers_get_the_memory_saver_on_gpus_only():
     from megatron_dapo.rollout.from_config import server_config
 
     colocated = ["rollout.colocate=true", "rollout.weight_sync=tensor"]
-    gpu = config_from_dict(MINIMAL, colocated).rollout
-    assert "--enable-memory-saver" in server_config(gpu, "m").extra_args
+    gpu = config_from_dict(MINIMAL, colocated)
+    assert "--enable-memory-saver" in server_config(gpu).extra_args
     # CPU servers have no memory saver (CUDA only); NCCL's one-rank-per-GPU rule does not bind gloo
     cpu = config_from_dict(MINIMAL, [*colocated[:1], "rollout.server_device=cpu", "rollout.weight_sync=distributed"])
-    assert "--enable-memory-saver" not in server_config(cpu.rollout, "m").extra_args
-    assert "--enable-memory-saver" not in server_config(config_from_dict(MINIMAL).rollout, "m").extra_args
+    assert "--enable-memory-saver" not in server_config(cpu).extra_args
+    assert "--enable-memory-saver" not in server_config(config_from_dict(MINIMAL)).extra_args
+
+
+@pytest.mark.parametrize("overrides, dtype", [
+    ([], "bfloat16"),  # model.dtype auto on GPUs, whatever the checkpoint's torch_dtype
+    (["model.dtype=float32"], "float32"),
+    (["parallel.device=cpu", "rollout.server_device=cpu"], "float32"),
+    (["parallel.device=cpu", "rollout.server_device=cpu", "model.dtype=bfloat16"], "bfloat16"),
+])
+def test_servers_sample_at_the_policys_training_dtype(overrides, dtype):
+    from megatron_dapo.rollout.from_config import server_config
+
+    assert server_config(config_from_dict(MINIMAL, overrides)).dtype == dtype
 
 
 def test_bad_files(tmp_path):

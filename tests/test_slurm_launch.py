@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from megatron_dapo.checkpoint.trainer_checkpoint import latest_checkpoint
 from megatron_dapo.config import RolloutConfig
 from megatron_dapo.slurm.allocation import AllocationError, Node, colocate_nodes, job_nodes, split_nodes
 from megatron_dapo.slurm.job import servers_per_node
@@ -143,25 +144,17 @@ def assert_no_process_left(*texts: str) -> None:
 @pytest.mark.slow
 def test_train_then_sglang_step_killed_then_resume(cluster, task, tmp_path):
     """Disaggregated, in rollout.mode one_step_off (then async): the server samples the next batch while the
-    trainer trains."""
+    trainer trains. The SGLang step is cancelled once step 2's checkpoint is written: the job stops training and
+    fails, naming it; the same job script again resumes from the latest checkpoint and trains to the end."""
     out = tmp_path / "run"
     out.mkdir()
-    mode = ("rollout.mode=one_step_off", "loss.tis_cap=2.0")
-    job = submit(cluster, out, task, *mode)
-    state, code = wait_job(cluster, job, out)
-    assert (state, code) == ("COMPLETED", "0:0"), job_output(out, job)
-    assert [r["step"] for r in metrics(out)] == [1, 2]
-    assert [r["staleness"] for r in metrics(out)] == [0, 1]  # step 2's batch was sampled during step 1
-    assert (out / "checkpoints" / "step_000002" / "COMPLETE").is_file()
-    assert "launch: training finished" in job_output(out, job)
-
-    # the SGLang step is cancelled as soon as it serves: the job stops training and fails, naming it
-    job = submit(cluster, out, task, "train.steps=3", *mode)
-    url_file = out / "slurm" / f"job-{job}" / "sglang-0.url"
+    job = submit(cluster, out, task, "train.steps=30", "rollout.mode=one_step_off", "loss.tis_cap=2.0")
+    marker = out / "checkpoints" / "step_000002" / "COMPLETE"
     deadline = time.monotonic() + 900
-    while not url_file.exists() and time.monotonic() < deadline:
+    while not marker.exists() and job_field(cluster, job, "JobState") not in ENDED and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert url_file.exists(), job_output(out, job)
+    assert marker.exists(), job_output(out, job)
+    assert (out / "slurm" / f"job-{job}" / "sglang-0.url").is_file()
     steps = subprocess.run(["squeue", "-h", "-s", "-j", job, "-o", "%i %j"], env=cluster, check=True,
                            capture_output=True, text=True).stdout.split("\n")
     (step,) = [s.split()[0] for s in steps if s.endswith(" sglang-0")]
@@ -171,16 +164,22 @@ def test_train_then_sglang_step_killed_then_resume(cluster, task, tmp_path):
     assert state == "FAILED" and code != "0:0", text
     assert "launch: FAILED: step 'sglang-0' on n2 exited with code" in text
     assert_no_process_left(str(tmp_path), str(task))
+    assert [r["step"] for r in metrics(out)][:2] == [1, 2]
+    assert [r["staleness"] for r in metrics(out)][:2] == [0, 1]  # step 2's batch was sampled during step 1
 
-    # the same job script again, in rollout.mode async: it resumes from step 2's checkpoint and runs steps 3
-    # and 4, step 4's batch sampled during step 3 and step 3's weights pushed into the server as it sampled
-    job = submit(cluster, out, task, "train.steps=4", "rollout.mode=async", "loss.tis_cap=2.0")
+    # the same job script again, in rollout.mode async: it resumes from the latest checkpoint (step 2's, or
+    # step 3's if that was written before the job stopped) and runs two more steps: the first trains on the
+    # batch the stopped job had sampled for it (in the checkpoint's buffer, staleness 1), the second's batch is
+    # sampled during the first, and the first's weights are pushed into the server as it samples
+    resumed_from = int(latest_checkpoint(out / "checkpoints").name.removeprefix("step_"))
+    job = submit(cluster, out, task, f"train.steps={resumed_from + 2}", "rollout.mode=async", "loss.tis_cap=2.0")
     state, code = wait_job(cluster, job, out)
     assert (state, code) == ("COMPLETED", "0:0"), job_output(out, job)
-    assert [r["step"] for r in metrics(out)] == [1, 2, 3, 4]
-    assert [r["staleness"] for r in metrics(out)][2:] == [0, 1]
-    assert (out / "checkpoints" / "step_000004" / "COMPLETE").is_file()
-    assert "resumed from" in (out / f"dapo-{job}.out").read_text(errors="replace")  # early in the output
+    assert [r["step"] for r in metrics(out)] == list(range(1, resumed_from + 3))
+    assert [r["staleness"] for r in metrics(out)][-2:] == [1, 1]
+    assert (out / "checkpoints" / f"step_{resumed_from + 2:06d}" / "COMPLETE").is_file()
+    text = (out / f"dapo-{job}.out").read_text(errors="replace")
+    assert "resumed from" in text and "launch: training finished" in text
     assert_no_process_left(str(tmp_path), str(task))
 
 

@@ -1,7 +1,7 @@
 """The DAPO loop end to end: a warm-started tiny model, math-verify rewards, dynamic sampling, the
-Megatron policy; with the in-process engine, and with a real SGLang server at TP=2 through a stopped rank
-and a resume (the resumed step's metrics equal those of an uninterrupted run), in the overlapping modes
-through kills and resumes, and through faults."""
+Megatron policy; with the in-process engine, and with a real SGLang server: at TP=2 in one_step_off through a
+stopped rank and a resume (the resumed steps' metrics equal those of an uninterrupted run), in async through
+kills and resumes, at the GPU's precision (bf16) through the tensor weight sync, learning; and through faults."""
 
 import json
 import os
@@ -27,6 +27,7 @@ from megatron_dapo.runtime import free_port
 pytestmark = pytest.mark.slow
 TIMING = ("time/", "tokens_per_s")
 FAULT_LAUNCHER = Path(__file__).parent / "distributed" / "fault_launcher.py"
+STEPS_BF16 = 10
 
 
 def config(task: Path, out: Path, **sections) -> Path:
@@ -165,26 +166,27 @@ def kill_after_checkpoint(cfg: Path, out: Path, step: int, nproc: int) -> Path:
     return checkpoint
 
 
-def test_sglang_tp2_a_stopped_rank_ends_the_run_naming_it_and_the_resumed_run_matches_an_uninterrupted_one(
+def test_sglang_tp2_one_step_off_a_stopped_rank_ends_the_run_naming_it_and_the_run_resumes_with_its_buffer(
         task, tmp_path):
-    """At TP=2 with a real SGLang server, rank 1 is stopped (SIGSTOP) once the checkpoint of step 3 is written.
-    Without the heartbeat rank 0 would wait in its next collective for parallel.distributed_timeout_minutes; with
-    it, rank 0 names rank 1 within parallel.heartbeat_timeout_s and exits, torchrun stops rank 1, and the rollout
-    service stops its server: no process of the run is left. Rerun, it resumes from step 3, and its step 4 equals
-    that of the uninterrupted run beside it. (One stopped run, not a killed one and a stopped one: the other
-    SGLang runs below are killed and resumed.)"""
+    """At TP=2 with a real SGLang server in rollout.mode one_step_off: each batch after the first is sampled by
+    the weights of the step before (staleness 1, corrected by truncated IS), beside the step that trains. Rank 1
+    is stopped (SIGSTOP) once the checkpoint of step 2 is written, while step 3 trains on the batch sampled
+    during step 2. Without the heartbeat rank 0 would wait in its next collective for
+    parallel.distributed_timeout_minutes; with it, rank 0 names rank 1 within parallel.heartbeat_timeout_s and
+    exits, torchrun stops rank 1, and the rollout service stops its server: no process of the run is left.
+    Rerun, it resumes from step 2 with the batch it had sampled for step 3, and its steps 3 and 4 equal those of
+    the uninterrupted run beside it. (A stopped run here; the async and SLURM runs are killed and resumed.)"""
     sglang = {"engine": "sglang", "server_device": "cpu", "weight_sync": "disk", "server_startup_timeout_s": 900,
-              "deterministic": True}
-    sections = dict(rollout=sglang, parallel={"device": "cpu", "seed": 7, "tensor_parallel": 2,
-                                              "heartbeat_timeout_s": 10})
+              "deterministic": True, "mode": "one_step_off"}
+    sections = dict(rollout=sglang, loss={"tis_cap": 2.0}, train={"steps": 4, "checkpoint_every": 2},
+                    eval={"every": 0}, parallel={"device": "cpu", "seed": 7, "tensor_parallel": 2,
+                                                 "heartbeat_timeout_s": 10})
     full_out = tmp_path / "full"
-    full = config(task, full_out, **sections, train={"steps": 4, "checkpoint_every": 3},
-                  eval={"every": 0})
+    full = config(task, full_out, **sections)
     out = tmp_path / "resumed"
-    cfg = config(task, out, **sections, train={"steps": 4, "checkpoint_every": 3},
-                  eval={"every": 0})
+    cfg = config(task, out, **sections)
     with beside(full, 2) as uninterrupted:
-        proc, _ = launch_until_checkpoint(cfg, out, 3, 2)  # step 4 has started or is about to
+        proc, checkpoint = launch_until_checkpoint(cfg, out, 2, 2)  # step 3 trains on its buffered batch
         try:
             tree = [psutil.Process(proc.pid)] + psutil.Process(proc.pid).children(recursive=True)
             (rank1,) = [p for p in tree
@@ -208,13 +210,23 @@ def test_sglang_tp2_a_stopped_rank_ends_the_run_naming_it_and_the_resumed_run_ma
     assert not alive, [p.cmdline() for p in alive]  # no orphan: the service stopped its server
     assert ended_s < 10 + 30 + 30  # the timeout, torchrun's 30 s grace for the stopped rank, a busy CPU's slack
 
-    finish(launch(cfg, 2), cfg)  # resumes from step 3
+    want = metrics(full_out)
+    assert [r["weight_version"] for r in want] == [0, 0, 1, 2]  # the first batch waits for the initial weights
+    assert [r["staleness"] for r in want] == [0, 1, 1, 1]
+    assert want[0]["tis/weight_mean"] == pytest.approx(1.0, abs=1e-3)  # sampled by the weights it trains
+    for r in want:
+        assert r["groups_kept"] >= 1 and r["loss_tokens"] > 0 and r["updates"] >= 1
+        assert 0 < r["tis/weight_mean"] <= 2.0
+    assert "time/rollout_wait" in want[0] and "time/rollout_wait" not in want[3]  # nothing sampled past the end
 
-    want, got = metrics(full_out), metrics(out)
+    assert (checkpoint / "driver" / "rollout_buffer.pt").is_file()
+    finish(launch(cfg, 2), cfg)  # resumes from step 2 with the batch sampled for step 3
+
+    got = metrics(out)
     assert [r["step"] for r in got] == [1, 2, 3, 4]
-    step4 = {k: v for k, v in want[3].items() if not k.startswith(TIMING) and k != "time"}
-    assert step4["groups_kept"] >= 1 and step4["loss_tokens"] > 0
-    assert {k: got[3][k] for k in step4} == pytest.approx(step4, rel=1e-6, abs=1e-9)
+    for i in (2, 3):
+        expected = {k: v for k, v in want[i].items() if not k.startswith(TIMING) and k != "time"}
+        assert {k: got[i][k] for k in expected} == pytest.approx(expected, rel=1e-6, abs=1e-9), i + 1
 
 
 def test_fewer_updates_than_updates_per_step_are_said_once_with_the_numbers(caplog):
@@ -262,40 +274,6 @@ def test_steps_with_non_finite_updates_are_logged_with_their_batch_and_stop_the_
     assert "update(s) [1] of 2 skipped" in said[0] and "the other updates were applied" in said[0]
     assert "nothing was applied, the servers keep their weights" in said[1]
     assert all("dataset rows): [3, 17]" in m for m in said)
-
-
-def test_sglang_one_step_off_samples_beside_training_and_resumes_with_its_buffer(task, tmp_path):
-    """rollout.mode one_step_off with a real SGLang server: each batch after the first is sampled by the weights
-    of the step before (staleness 1, corrected by truncated IS); a run killed after a checkpoint resumes with the
-    batch it had sampled for the next step, and its next steps equal the uninterrupted run's."""
-    sglang = {"engine": "sglang", "server_device": "cpu", "weight_sync": "disk", "server_startup_timeout_s": 900,
-              "deterministic": True, "mode": "one_step_off"}
-    sections = dict(rollout=sglang, loss={"tis_cap": 2.0}, train={"steps": 4, "checkpoint_every": 2},
-                    eval={"every": 0})
-    full_out = tmp_path / "full"
-    full = config(task, full_out, **sections)
-    out = tmp_path / "resumed"
-    cfg = config(task, out, **sections)
-    with beside(full, 1) as uninterrupted:
-        checkpoint = kill_after_checkpoint(cfg, out, 2, 1)  # step 3 is training on the buffered batch, or about to
-        finish(uninterrupted, full)
-    want = metrics(full_out)
-    assert [r["weight_version"] for r in want] == [0, 0, 1, 2]  # the first batch waits for the initial weights
-    assert [r["staleness"] for r in want] == [0, 1, 1, 1]
-    assert want[0]["tis/weight_mean"] == pytest.approx(1.0, abs=1e-3)  # sampled by the weights it trains
-    for r in want:
-        assert r["groups_kept"] >= 1 and r["loss_tokens"] > 0 and r["updates"] >= 1
-        assert 0 < r["tis/weight_mean"] <= 2.0
-    assert "time/rollout_wait" in want[0] and "time/rollout_wait" not in want[3]  # nothing sampled past the end
-
-    assert (checkpoint / "driver" / "rollout_buffer.pt").is_file()
-    finish(launch(cfg, 1), cfg)  # resumes from step 2 with the batch sampled for step 3
-
-    got = metrics(out)
-    assert [r["step"] for r in got] == [1, 2, 3, 4]
-    for i in (2, 3):
-        expected = {k: v for k, v in want[i].items() if not k.startswith(TIMING) and k != "time"}
-        assert {k: got[i][k] for k in expected} == pytest.approx(expected, rel=1e-6, abs=1e-9), i + 1
 
 
 def test_sglang_async_stays_within_its_staleness_bound_and_a_kill_of_the_run_or_its_server_loses_no_prompt(
@@ -456,3 +434,39 @@ def test_sglang_a_nan_in_the_old_logprobs_skips_the_step_keeps_the_servers_weigh
                 "nothing was applied, the servers keep their weights; the batch's prompts (dataset rows): "
                 f"{b['prompts']}") in train_log
     assert stop_s < 120, stop_s  # measured: 12.7 s, most of it the SGLang server's shutdown
+
+
+def test_sglang_bf16_learns_through_the_tensor_weight_sync(demo, tmp_path, monkeypatch):
+    """The GPU's precision with a real SGLang server: the policy trains in bf16 (megatron's bf16 optimizer, fp32
+    master copy), the server samples in bf16, and each step's weights reach it as tensors (the colocated route);
+    the demo's warm model learns: held-out avg@4 rises. A master copy of anything but the loaded weights, or a
+    server left on stale or garbled weights, falls instead."""
+    from megatron_dapo.demo import dapo_config
+    from megatron_dapo.run_config import load_config
+    from megatron_dapo.trainer import DapoTrainer
+
+    cfg = dapo_config(demo, demo / "warm", tmp_path / "run", seed=0)
+    cfg["model"]["dtype"] = "bfloat16"
+    cfg["rollout"] = {**cfg["rollout"], "engine": "sglang", "server_device": "cpu", "weight_sync": "tensor",
+                      "server_startup_timeout_s": 900}
+    cfg["loss"] = {**cfg["loss"], "old_logprobs": "recompute"}  # the server's are bf16 samplers', not pi_old's
+    cfg["train"] = {**cfg["train"], "steps": STEPS_BF16, "tensorboard": False}
+    cfg["eval"] = {**cfg["eval"], "every": 0}
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    start = time.monotonic()
+    trainer = DapoTrainer(load_config(path))
+    try:
+        before = trainer.evaluate()["eval/avg@4"]
+        trainer.train()
+        after = trainer.evaluate()["eval/avg@4"]
+    finally:
+        trainer.close()
+    rows = metrics(tmp_path / "run")
+    print(f"bf16 + SGLang + tensor sync: held-out avg@4 {before:.3f} -> {after:.3f} in {len(rows)} steps, "
+          f"{time.monotonic() - start:.0f} s; accuracy per step {[round(r['accuracy'], 2) for r in rows]}")
+    assert [r["weight_version"] for r in rows] == list(range(STEPS_BF16))
+    assert all(r["groups_kept"] >= 1 for r in rows)
+    assert after >= before + 0.1

@@ -27,7 +27,7 @@ recomputation):
   + 4 bytes x heads/TP           the attention kernel's fp32 log-sum-exp
 
 SGLang server, per GPU (TP = rollout.server_tensor_parallel):
-  weights  all parameters x 2 bytes / TP (CPU servers run fp32)
+  weights  all parameters x 2 bytes / TP (4 with model.dtype float32, the CPU default: servers serve at it)
   KV       per token: 2 (K, V) x layers x KV heads per GPU (KV heads / TP; at least 1, replicated when fewer
            than TP) x head_dim x 2 bytes
   pool     GPU memory x the static memory fraction (SGLang's 0.88 unless rollout.server_extra_args sets
@@ -276,7 +276,7 @@ def mem_fraction_static(extra_args: list[str]) -> float:
 def server_estimate(cfg: DapoConfig, spec: ModelSpec, layout: Layout, hw: Hardware) -> ServerEstimate:
     """Raises ConfigError when the server cannot run one full-length sequence."""
     r = cfg.rollout
-    server = server_config(r, cfg.model.path)  # what the run starts: dtype, CPU token budget, extra args
+    server = server_config(cfg)  # what the run starts: dtype, CPU token budget, extra args
     tp, on_cpu = server.tensor_parallel, server.device == "cpu"
     if spec.num_attention_heads % tp:
         raise ConfigError(f"rollout.server_tensor_parallel: the model's {spec.num_attention_heads} attention heads do "

@@ -5,18 +5,21 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from megatron_dapo.config import RolloutConfig
 from megatron_dapo.rollout.sglang_engine import SGLangEngine
 from megatron_dapo.rollout.sglang_server import SGLangServerConfig
+from megatron_dapo.run_config import DapoConfig
 
 
-def server_config(rollout: RolloutConfig, model_path: str, *, host: str = "127.0.0.1", port: int | None = None,
+def server_config(cfg: DapoConfig, *, host: str = "127.0.0.1", port: int | None = None,
                   base_gpu_id: int = 0) -> SGLangServerConfig:
-    """One server of the run, wherever it is started (here, or as a SLURM step)."""
+    """One server of the run, wherever it is started (here, or as a SLURM step). It serves at the policy's
+    training dtype: it samples with the weights the policy computes with (bf16 on GPUs, and on the CPU in a
+    model.dtype bfloat16 run)."""
+    rollout = cfg.rollout
     on_cpu = rollout.server_device == "cpu"
-    return SGLangServerConfig(model_path, device=rollout.server_device, host=host, port=port,
+    return SGLangServerConfig(cfg.model.path, device=rollout.server_device, host=host, port=port,
                               tensor_parallel=rollout.server_tensor_parallel, base_gpu_id=base_gpu_id,
-                              dtype="float32" if on_cpu else "auto",  # the CPU trainer's precision
+                              dtype=cfg.model.training_dtype(cfg.parallel.device),
                               max_total_tokens=16384 if on_cpu else None,
                               startup_timeout_s=rollout.server_startup_timeout_s,
                               extra_args=list(rollout.server_extra_args)
@@ -25,15 +28,16 @@ def server_config(rollout: RolloutConfig, model_path: str, *, host: str = "127.0
                               + (["--enable-memory-saver"] if rollout.colocate and not on_cpu else []))
 
 
-def sglang_engine(rollout: RolloutConfig, model_path: str, log_dir, *,
+def sglang_engine(cfg: DapoConfig, log_dir, *,
                   on_server_restart: Callable[[str], None] | None = None, wait: bool = True) -> SGLangEngine:
     """With `wait=False` the servers started here may still be starting: `wait_launched()` before sampling."""
+    rollout = cfg.rollout
     kwargs = dict(max_in_flight=rollout.max_in_flight, request_timeout_s=rollout.request_timeout_s,
                   max_server_restarts=rollout.max_server_restarts, health_timeout_s=rollout.server_health_timeout_s,
                   on_server_restart=on_server_restart)
     if rollout.server_urls:
         return SGLangEngine(list(rollout.server_urls), **kwargs)
-    return SGLangEngine.launch([server_config(rollout, model_path)] * rollout.num_servers, log_dir, wait=wait,
+    return SGLangEngine.launch([server_config(cfg)] * rollout.num_servers, log_dir, wait=wait,
                                **kwargs)
 
 

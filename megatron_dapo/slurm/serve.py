@@ -38,8 +38,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     # Bound to the address the other nodes reach it on (SLURM's NodeAddr), not to every interface of the node.
     port = free_port(args.advertise)
-    server = SGLangServer(server_config(cfg.rollout, cfg.model.path, host=args.advertise, port=port,
-                                        base_gpu_id=args.base_gpu_id), args.log)
+    server = SGLangServer(server_config(cfg, host=args.advertise, port=port, base_gpu_id=args.base_gpu_id), args.log)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds through the finally below
     try:
         server.start().wait_healthy()
