@@ -449,7 +449,9 @@ def test_sglang_bf16_learns_through_the_tensor_weight_sync(demo, tmp_path, monke
     cfg["model"]["dtype"] = "bfloat16"
     cfg["rollout"] = {**cfg["rollout"], "engine": "sglang", "server_device": "cpu", "weight_sync": "tensor",
                       "server_startup_timeout_s": 900}
-    cfg["loss"] = {**cfg["loss"], "old_logprobs": "recompute"}  # the server's are bf16 samplers', not pi_old's
+    # The demo's "rollout" suits its in-process engine, which samples with the policy itself; SGLang's log-probs
+    # come from other kernels, so pi_old is recomputed, as in a GPU run.
+    cfg["loss"] = {**cfg["loss"], "old_logprobs": "recompute"}
     cfg["train"] = {**cfg["train"], "steps": STEPS_BF16, "tensorboard": False}
     cfg["eval"] = {**cfg["eval"], "every": 0}
     path = tmp_path / "run.yaml"

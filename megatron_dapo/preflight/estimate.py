@@ -27,9 +27,9 @@ recomputation):
   + 4 bytes x heads/TP           the attention kernel's fp32 log-sum-exp
 
 SGLang server, per GPU (TP = rollout.server_tensor_parallel):
-  weights  all parameters x 2 bytes / TP (4 with model.dtype float32, the CPU default: servers serve at it)
+  weights  all parameters x B / TP, B the bytes of model.dtype (2 in bf16, 4 in fp32): servers serve at it
   KV       per token: 2 (K, V) x layers x KV heads per GPU (KV heads / TP; at least 1, replicated when fewer
-           than TP) x head_dim x 2 bytes
+           than TP) x head_dim x B
   pool     GPU memory x the static memory fraction (SGLang's 0.88 unless rollout.server_extra_args sets
            --mem-fraction-static) - weights; a CPU server holds max_total_tokens tokens. SGLang reserves the
            static fraction when it starts, whatever the load.
