@@ -30,15 +30,19 @@ $(VENV)/.built: $(VENV)/.deps $(wildcard csrc/*)
 demo: setup
 	$(VENV)/bin/megatron-dapo demo
 
+# Two lanes (pytest-xdist processes), a module to a lane at a time: on 2 cores a serial run leaves 28 % of the CPU
+# idle (servers starting, fault tests waiting out their deadlines), and two lanes fill it. Modules go whole, so
+# module fixtures (servers, clusters) are built once; the slowest go first (tests/conftest.py, LONGEST_FIRST).
 # --durations: CI's log lists the 30 slowest tests, where to look when the suite outgrows its time budget.
+LANES := -n 2 --dist loadfile --no-loadscope-reorder
 test: setup
-	$(PY) -m pytest tests -ra --timeout=900 --durations=30
+	$(PY) -m pytest tests -ra --timeout=900 --durations=30 $(LANES)
 
 # While developing: the unit tests and one test of each kind of integration (a trainer run, a real SGLang
 # server, a conversion; the torchrun workers, the reward pool and the rollout service are among the unit
 # tests' fixtures), in under 5 minutes on 2 cores. CI and the README's `make test` run everything.
 test-fast: setup
-	$(PY) -m pytest tests -ra --timeout=900 --durations=10 -m "not slow or smoke"
+	$(PY) -m pytest tests -ra --timeout=900 --durations=10 -m "not slow or smoke" $(LANES)
 
 bench: setup
 	$(PY) bench/bench_dapo_loss.py

@@ -1,7 +1,10 @@
 import os
+import shutil
 import sys
+from pathlib import Path
 
 import pytest
+from filelock import FileLock
 
 # The whole suite runs in the device-faithful CPU mode (megatron_dapo/device_faithful.py): a host/device
 # mix-up fails here as it would on a GPU. Subprocesses (torchrun workers, trainer runs) inherit it.
@@ -17,10 +20,49 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "smoke: a slow test in `make test-fast`, the one of its kind of integration")
 
 
+def built_once(tmp_path_factory, name: str, build) -> Path:
+    """The folder `build(folder)` fills, built once for the whole run: `make test` runs the suite in parallel
+    lanes (pytest-xdist processes), and a read-only fixture that takes a minute to build is built by the first
+    lane that asks for it while the others wait for it, instead of once per lane."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        root = tmp_path_factory.mktemp(name)
+        build(root)
+        return root
+    root = tmp_path_factory.getbasetemp().parent / name  # the run's folder, above each lane's own
+    with FileLock(f"{root}.lock"):
+        if not (root / "BUILT").exists():
+            shutil.rmtree(root, ignore_errors=True)  # a lane that failed halfway left a part
+            root.mkdir()
+            build(root)
+            (root / "BUILT").touch()
+    return root
+
+
+# The slowest modules first (seconds of a serial run, measured): the parallel lanes take modules in this order,
+# so that none starts a long one when the other is nearly done. The rest follow in their own order.
+LONGEST_FIRST = ["test_trainer_loop.py", "test_slurm_launch.py", "test_weight_sync.py", "test_gpu_check.py",
+                 "test_rollout_resilience.py", "test_rollout_sglang.py", "test_trainer_checkpoint.py",
+                 "test_convert_checkpoint.py", "test_rollout_service.py", "test_memory_benches.py",
+                 "test_policy_parity.py", "test_reward.py", "test_policy_training.py", "test_local_engine.py",
+                 "test_heartbeat.py", "test_tiny_cpu_config.py"]
+
+
+def pytest_collection_modifyitems(items):
+    def rank(item):
+        name = item.path.name
+        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    items.sort(key=rank)  # stable: each module's tests keep their order
+
+
 @pytest.fixture(scope="session")
 def task(tmp_path_factory):
     """Data files and a tiny model warm-started just enough to get some sums right: the trainer runs of
-    test_trainer_loop, test_heartbeat and test_slurm_launch train it. Built once a session; nothing writes into it."""
+    test_trainer_loop and test_slurm_launch train it. Built once a run; nothing writes into it."""
+    return built_once(tmp_path_factory, "task", build_task)
+
+
+def build_task(root: Path) -> None:
     from megatron_dapo.data.held_out_split import split_held_out
     from megatron_dapo.data.prompt_encoding import encode_prompt
     from megatron_dapo.data.prompt_file import write_rows
@@ -28,7 +70,6 @@ def task(tmp_path_factory):
     from megatron_dapo.demo.tiny_model import make_tiny_model
     from megatron_dapo.demo.warm_start import supervised_warm_start
 
-    root = tmp_path_factory.mktemp("task")
     rows = generate_rows(1200, 0, digits=1, operations="+", num_operands=2, style="short")
     train, held_out = split_held_out(rows, 20, 0)
     write_rows(root / "train.jsonl", train)
@@ -38,19 +79,20 @@ def task(tmp_path_factory):
     pairs = [(encode_prompt(tok, r["prompt"]), tok.encode(r["extra_info"]["solution"]) + [tok.eos_token_id])
              for r in train]
     supervised_warm_start(root / "base", root / "model", pairs, target_accuracy=0.2, max_steps=600, batch_size=32)
-    return root
 
 
 @pytest.fixture(scope="session")
 def demo(tmp_path_factory):
     """The demo's task and warm model, made as `megatron-dapo demo` makes them (seed 0): a minute on 2 idle cores.
-    test_tiny_cpu_config and test_gpu_check's end-to-end run train it; nothing writes into it."""
+    test_tiny_cpu_config, test_gpu_check's end-to-end run and test_trainer_loop's bf16 run train it; nothing writes
+    into it."""
     from megatron_dapo.demo import WARM_START, prepare_task
     from megatron_dapo.demo.warm_start import supervised_warm_start
 
-    out = tmp_path_factory.mktemp("demo")
-    supervised_warm_start(out / "base", out / "warm", prepare_task(out, seed=0), seed=0, **WARM_START)
-    return out
+    def build(out):
+        supervised_warm_start(out / "base", out / "warm", prepare_task(out, seed=0), seed=0, **WARM_START)
+
+    return built_once(tmp_path_factory, "demo", build)
 
 
 @pytest.fixture(scope="session")

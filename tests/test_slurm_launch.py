@@ -134,6 +134,13 @@ def processes_mentioning(*texts: str) -> list[str]:
     return found
 
 
+def run_data(task: Path, tmp_path: Path) -> Path:
+    """The task's folder under this test's own: every process of the job names it, so the check for leftovers
+    looks for this test's folder alone (the task's own is named by the other lane's runs too)."""
+    (tmp_path / "task").symlink_to(task)
+    return tmp_path / "task"
+
+
 def assert_no_process_left(*texts: str) -> None:
     deadline = time.monotonic() + 30  # slurmstepd reaps a step's processes right after the step ends
     while processes_mentioning(*texts) and time.monotonic() < deadline:
@@ -146,7 +153,7 @@ def test_train_then_sglang_step_killed_then_resume(cluster, task, tmp_path):
     """Disaggregated, in rollout.mode one_step_off (then async): the server samples the next batch while the
     trainer trains. The SGLang step is cancelled once step 2's checkpoint is written: the job stops training and
     fails, naming it; the same job script again resumes from the latest checkpoint and trains to the end."""
-    out = tmp_path / "run"
+    out, task = tmp_path / "run", run_data(task, tmp_path)
     out.mkdir()
     job = submit(cluster, out, task, "train.steps=30", "rollout.mode=one_step_off", "loss.tis_cap=2.0")
     marker = out / "checkpoints" / "step_000002" / "COMPLETE"
@@ -163,7 +170,7 @@ def test_train_then_sglang_step_killed_then_resume(cluster, task, tmp_path):
     text = job_output(out, job)
     assert state == "FAILED" and code != "0:0", text
     assert "launch: FAILED: step 'sglang-0' on n2 exited with code" in text
-    assert_no_process_left(str(tmp_path), str(task))
+    assert_no_process_left(str(tmp_path))
     assert [r["step"] for r in metrics(out)][:2] == [1, 2]
     assert [r["staleness"] for r in metrics(out)][:2] == [0, 1]  # step 2's batch was sampled during step 1
 
@@ -180,7 +187,7 @@ def test_train_then_sglang_step_killed_then_resume(cluster, task, tmp_path):
     assert (out / "checkpoints" / f"step_{resumed_from + 2:06d}" / "COMPLETE").is_file()
     text = (out / f"dapo-{job}.out").read_text(errors="replace")
     assert "resumed from" in text and "launch: training finished" in text
-    assert_no_process_left(str(tmp_path), str(task))
+    assert_no_process_left(str(tmp_path))
 
 
 def trainer_task(procid: int) -> int:
@@ -204,7 +211,7 @@ def test_colocated_job_on_two_nodes_a_stopped_trainer_task_fails_it_naming_it_an
     refused first. The task of rank 1 is stopped after the first checkpoint: rank 0's heartbeat names it (node,
     pid) within parallel.heartbeat_timeout_s, the train step fails, the launcher stops every step; the same script
     again resumes from that checkpoint and trains to the end in the colocated layout."""
-    out = tmp_path / "run"
+    out, task = tmp_path / "run", run_data(task, tmp_path)
     out.mkdir()
     settings = ("rollout.colocate=true", "rollout.weight_sync=tensor", "parallel.heartbeat_timeout_s=10")
     # ROLLOUT_NODES asks for separate rollout nodes: refused by name before anything starts
@@ -229,7 +236,7 @@ def test_colocated_job_on_two_nodes_a_stopped_trainer_task_fails_it_naming_it_an
     assert state == "FAILED", text[-8000:]
     assert f"rank 1 (node n2, pid {pid}) has not beaten for" in text, text[-8000:]
     assert "launch: FAILED: step 'train' on n1,n2 exited with code" in text
-    assert_no_process_left(str(tmp_path), str(task))
+    assert_no_process_left(str(tmp_path))
 
     resumed_from = len(metrics(out))
     job = submit(cluster, out, task, "train.steps=4", *settings)
@@ -249,4 +256,4 @@ def test_colocated_job_on_two_nodes_a_stopped_trainer_task_fails_it_naming_it_an
         for endpoint in ("pause_generation", "release_memory_occupation", "resume_memory_occupation",
                          "update_weights_from_tensor", "continue_generation"):
             assert log.count(f"POST /{endpoint} HTTP/1.1\" 200") >= 2, (i, endpoint)
-    assert_no_process_left(str(tmp_path), str(task))
+    assert_no_process_left(str(tmp_path))
