@@ -126,7 +126,8 @@ setup(
         # NVIDIA apex is not on PyPI (the package of that name there is unrelated): build it from source.
         "gpu": ["transformer-engine[pytorch]", f"sglang=={SGLANG_VERSION}", "sglang-router"],
         "sglang-cpu": SGLANG_CPU_DEPS,
-        "test": ["pytest>=8", "pytest-timeout", "pytest-xdist", "filelock", "safetensors"],
+        "test": ["pytest>=8", "pytest-timeout", "pytest-xdist", "filelock", "safetensors", "wandb"],
+        "wandb": ["wandb"],  # metrics.wandb
         # bench/bench_vs_trl.py's peer; never a test dependency.
         "bench": ["trl>=1.16", "psutil"],
     },

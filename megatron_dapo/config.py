@@ -6,6 +6,7 @@ owned by the algorithm and reward packages, with the DAPO paper's defaults.
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field
 
 from megatron_dapo.ops.dapo_loss_checks import DapoLossParamError, check_dapo_loss_params
@@ -329,6 +330,33 @@ class TrainConfig:
         _whole(self.keep_last, "train.keep_last", 1)
         _whole(self.max_bad_steps, "train.max_bad_steps", 1)
         _positive(self.checkpoint_timeout_s, "train.checkpoint_timeout_s")
+
+
+WANDB_MODES = ("online", "offline")
+
+
+@dataclass(frozen=True)
+class WandbConfig:
+    """Weights & Biases, off unless `project` is set: rank 0 logs what tensorboard gets, and the run's config."""
+
+    project: str | None = None
+    entity: str | None = None  # the team or user; null: wandb's default for the logged-in user
+    name: str | None = None  # the run's display name; null: the output folder's name
+    mode: str = "online"  # "offline": files under OUT/wandb only, uploaded later with `wandb sync`
+
+    def __post_init__(self):
+        _require(self.mode in WANDB_MODES, "metrics.wandb.mode", f"must be one of {WANDB_MODES}, got {self.mode!r}")
+        _require(self.project is None or bool(self.project), "metrics.wandb.project",
+                 "must name a project, or be null to leave wandb off")
+        # Refused here, not once the model is built: wandb is an optional extra.
+        _require(self.project is None or importlib.util.find_spec("wandb") is not None, "metrics.wandb.project",
+                 f"is {self.project!r}, but wandb is not installed: pip install 'megatron-dapo[wandb]', or set "
+                 "metrics.wandb.project to null")
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    wandb: WandbConfig = field(default_factory=WandbConfig)
 
 
 @dataclass(frozen=True)

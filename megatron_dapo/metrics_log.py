@@ -1,8 +1,11 @@
-"""Per-step training metrics: one JSON line per step in DIR/metrics.jsonl, and tensorboard scalars.
+"""Per-step training metrics: one JSON line per step in DIR/metrics.jsonl, tensorboard scalars, and (with
+metrics.wandb.project set) a wandb run.
 
 Only rank 0 writes; on the other ranks the logger does nothing, so every rank can call it. A resumed
 run passes the step it resumed from: lines (and tensorboard events) of later steps, written after
-that checkpoint by the run that died, are dropped, so the file has each step once.
+that checkpoint by the run that died, are dropped, so the file has each step once. wandb cannot drop
+points: a resumed run goes on in the same wandb run (its id kept in DIR/wandb/run_id), and the steps
+logged again after the checkpoint show twice there, each at its step.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ import time
 from pathlib import Path
 
 import torch.distributed as dist
+
+from megatron_dapo.config import WandbConfig
 
 log = logging.getLogger(__name__)
 
@@ -61,12 +66,14 @@ class MetricsLogger:
     panel in tools/plot_metrics.py.
     """
 
-    def __init__(self, directory, tensorboard: bool = True, resume_step: int | None = None):
+    def __init__(self, directory, tensorboard: bool = True, resume_step: int | None = None,
+                 wandb: WandbConfig | None = None, run_config: dict | None = None):
         self.enabled = not dist.is_initialized() or dist.get_rank() == 0
         self.path = Path(directory) / JSONL
         self.last_step = resume_step
         self._file = None
         self._writer = None
+        self._wandb = None
         if not self.enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -78,6 +85,8 @@ class MetricsLogger:
             # purge_step hides the earlier run's events from resume_step + 1 on (all of them for a new run).
             purge = 0 if resume_step is None else resume_step + 1
             self._writer = SummaryWriter(log_dir=str(self.path.parent / TENSORBOARD_DIR), purge_step=purge)
+        if wandb is not None and wandb.project is not None:
+            self._wandb = _wandb_run(wandb, self.path.parent, run_config or {}, resumed=resume_step is not None)
 
     def _truncate_after(self, resume_step: int | None) -> None:
         if not self.path.is_file():
@@ -118,6 +127,8 @@ class MetricsLogger:
             for key, value in values.items():
                 self._writer.add_scalar(key, value, step)
             self._writer.flush()
+        if self._wandb is not None:
+            self._wandb.log({"step": step, **values})
 
     def close(self) -> None:
         if self._file is not None:
@@ -126,9 +137,29 @@ class MetricsLogger:
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
 
     def __enter__(self) -> MetricsLogger:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _wandb_run(cfg: WandbConfig, directory: Path, run_config: dict, resumed: bool):
+    """A wandb run under DIR/wandb; a resumed run goes on in the run its first start made."""
+    import wandb
+
+    id_file = directory / "wandb" / "run_id"
+    run_id = id_file.read_text().strip() if resumed and id_file.is_file() else None
+    id_file.parent.mkdir(parents=True, exist_ok=True)
+    run = wandb.init(project=cfg.project, entity=cfg.entity, name=cfg.name or directory.resolve().name,
+                     mode=cfg.mode, dir=str(directory), config=run_config, id=run_id,
+                     resume="allow" if run_id else None)
+    id_file.write_text(run.id)
+    # Our step is the x axis: wandb's own counter would shift every point of a resumed run.
+    run.define_metric("step")
+    run.define_metric("*", step_metric="step")
+    return run

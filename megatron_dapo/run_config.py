@@ -24,6 +24,7 @@ from megatron_dapo.config import (
     DataConfig,
     EvalConfig,
     LossConfig,
+    MetricsConfig,
     ModelConfig,
     OptimConfig,
     ParallelConfig,
@@ -50,6 +51,7 @@ class DapoConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
     def __post_init__(self):
         p, r = self.parallel, self.rollout

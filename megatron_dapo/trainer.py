@@ -127,7 +127,8 @@ class DapoTrainer:
                 log.info("resumed from %s (step %d)", resume, self.step_index)
         if self.driver:
             self.metrics = MetricsLogger(self.output_dir, tensorboard=cfg.train.tensorboard,
-                                         resume_step=self.step_index if resume is not None else None)
+                                         resume_step=self.step_index if resume is not None else None,
+                                         wandb=cfg.metrics.wandb, run_config=cfg.to_dict())
         self.server_urls = self._server_urls()
         self.syncer = self._weight_syncer()
         self.server_memory = (ServerMemory(self.server_urls, self.runtime.device, cfg.rollout.weight_sync_timeout_s)

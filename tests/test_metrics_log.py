@@ -116,26 +116,36 @@ def test_only_rank_zero_writes(tmp_path, monkeypatch):
     assert not (tmp_path / "run").exists()
 
 
-def test_panels_group_names_by_prefix():
-    records = [{"step": 1, "time": 0.0, "reward/mean": 1.0, "accuracy": 0.5, "time/rollout": 1.0},
-               {"step": 2, "time": 1.0, "reward/max": 1.0, "time/train": 2.0}]
-    assert panels(records) == {"reward": ["reward/mean", "reward/max"], "accuracy": ["accuracy"],
-                               "time": ["time/rollout", "time/train"]}
+def test_panels_put_the_key_curves_first_group_the_rest_and_leave_out_what_never_changes():
+    records = [{"step": 1, "time": 0.0, "loss": 0.5, "custom/b": 1.0, "grad_norm": 2.0, "groups_aborted": 0,
+                "accuracy": 0.5, "time/rollout": 1.0, "groups_kept": 3, "mine": 7.0},
+               {"step": 2, "time": 1.0, "loss": 0.4, "custom/a": 1.0, "grad_norm": 1.0, "groups_aborted": 0,
+                "accuracy": 0.6, "time/rollout": 2.0, "groups_kept": 4, "eval/avg@4": 0.3, "mine": 7.0,
+                "reward_mean": 0.2, "clip_frac/low": 0.1, "response_len_mean": 9.0}]
+    groups, flat = panels(records)
+    assert groups == {"accuracy and reward": ["accuracy", "reward_mean"], "held-out evaluation": ["eval/avg@4"],
+                      "response length": ["response_len_mean"], "clip fractions": ["clip_frac/low"],
+                      "grad norm": ["grad_norm"], "step time split (s)": ["time/rollout"],
+                      "groups per step": ["groups_kept"], "loss": ["loss"], "custom": ["custom/b", "custom/a"]}
+    # drawn once in two steps: a single point does not show that it never changes
+    assert flat == {"groups_aborted": 0, "mine": 7.0}
 
 
-def test_plot_writes_a_png_of_every_panel(tmp_path):
+def test_plot_writes_a_png_of_every_panel_and_lists_the_flat_series_under_it(tmp_path):
     import matplotlib.image
 
     with MetricsLogger(tmp_path, tensorboard=False) as logger:
         for s in range(1, 41):
-            logger.log(s, {"reward/mean": s / 40, "accuracy": (s % 7) / 7, "filter_rate": 0.3,
-                           "response_length/mean": 100 + s, "response_length/max": 200 + s, "entropy": 1 / s,
-                           "clip_fraction/low": 0.01, "clip_fraction/high": 0.02, "time/rollout": 3.0,
-                           "time/train": 1.0, **({"eval/accuracy": s / 40} if s % 10 == 0 else {})})
+            logger.log(s, {"reward_mean": s / 40, "accuracy": (s % 7) / 7, "filter_rate": 0.3 + s / 400,
+                           "response_len_mean": 100 + s, "response_len_max": 200 + s, "entropy": 1 / s,
+                           "clip_frac/low": 0.01 * s, "clip_frac/high": 0.02, "time/rollout": 3.0 + s,
+                           "time/train": 1.0, "groups_aborted": 0, "prompts_too_long": 0,
+                           **({"eval/avg@4": s / 40} if s % 10 == 0 else {})})
     out = plot_metrics(tmp_path / "metrics.jsonl", tmp_path / "plots" / "curves.png")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 20_000
     height, width, _ = matplotlib.image.imread(out).shape
-    assert (width, height) == (1600, 2 * 280)  # 8 panels: 4 columns x 2 rows
+    # 7 panels: 4 columns x 2 rows, and a line under them (groups_aborted, prompts_too_long)
+    assert width == 1600 and 2 * 280 < height <= 2 * 280 + 40, (width, height)
 
 
 def test_plot_cli(tmp_path):
@@ -157,3 +167,50 @@ def test_plot_refuses_a_missing_or_empty_file(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "holds no metrics yet" in proc.stderr
     assert not (tmp_path / "out.png").exists() and not (tmp_path / "metrics.png").exists()
+
+
+@pytest.fixture
+def wandb_home(tmp_path, monkeypatch):
+    """wandb's settings, cache and data folders in the test's own, out of the user's home."""
+    for name in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
+        monkeypatch.setenv(name, str(tmp_path / "wandb-home" / name.lower()))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+
+
+def test_wandb_offline_gets_what_tensorboard_gets_and_the_config_and_a_resume_goes_on_in_the_same_run(
+        tmp_path, wandb_home):
+    from wandb_records import history, run_config, run_record
+
+    from megatron_dapo.config import WandbConfig
+
+    run = tmp_path / "run"
+    settings = WandbConfig(project="dapo-test", name="trial", mode="offline")
+    config = {"algorithm": {"group_size": 16}, "loss": {"eps_high": 0.28}}
+    log_steps(run, [1, 2, 3], wandb=settings, run_config=config)
+    log_steps(run, [3, 4], resume_step=2, wandb=settings, run_config=config)  # step 3 logged again after a resume
+
+    first, resumed = sorted(run.glob("wandb/offline-run-*/run-*.wandb"), key=lambda p: p.stat().st_mtime)
+    def rows(steps):  # what log_steps logged
+        return [{"step": s, "reward/mean": 0.1 * s, "accuracy": s / 10, "time/train": 2.0} for s in steps]
+
+    assert history(first) == rows([1, 2, 3]) and history(resumed) == rows([3, 4])
+    ids = {run_record(p).run_id for p in (first, resumed)}
+    assert ids == {(run / "wandb" / "run_id").read_text()}  # one wandb run, resumed
+    assert run_record(first).project == "dapo-test" and run_record(first).display_name == "trial"
+    assert run_config(first) == config
+    assert [r["step"] for r in lines(run)] == [1, 2, 3, 4]  # the JSONL, as without wandb
+
+
+def test_wandb_asked_for_but_not_installed_or_with_a_bad_mode_is_refused_by_name(monkeypatch):
+    from megatron_dapo.config import ConfigError
+    from megatron_dapo.run_config import config_from_dict
+
+    base = {"model": {"path": "m"}, "data": {"train_path": "t.jsonl"}}
+    with pytest.raises(ConfigError, match=r"metrics\.wandb\.mode: must be one of \('online', 'offline'\)"):
+        config_from_dict(base, ["metrics.wandb.project=p", "metrics.wandb.mode=shared"])
+    assert config_from_dict(base).metrics.wandb.project is None  # off by default
+    monkeypatch.setitem(sys.modules, "wandb", None)  # as if not installed
+    with pytest.raises(ConfigError, match=r"metrics\.wandb\.project: is 'p', but wandb is not installed: pip install "
+                                          r"'megatron-dapo\[wandb\]', or set metrics\.wandb\.project to null"):
+        config_from_dict(base, ["metrics.wandb.project=p"])
+    config_from_dict(base)  # off, wandb is not needed

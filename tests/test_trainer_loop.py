@@ -21,6 +21,8 @@ import psutil
 import pytest
 import yaml
 
+from wandb_records import history, run_config
+
 from megatron_dapo.checkpoint.trainer_checkpoint import latest_checkpoint
 from megatron_dapo.runtime import free_port
 
@@ -82,9 +84,15 @@ def local_runs(task, tmp_path_factory):
     (loss.old_logprobs 'rollout'). Returns the two output folders."""
     root = tmp_path_factory.mktemp("local")
     outs = {"recompute": root / "recompute", "rollout": root / "rollout"}
-    cfgs = {k: config(task, out, rollout={"engine": "local"}, optim={"warmup_steps": 2}, loss={"old_logprobs": k})
+    # The first also logs to wandb, offline (its settings and cache in the test's folder, out of the user's home).
+    wandb = {"recompute": {"wandb": {"project": "dapo-test", "mode": "offline"}}, "rollout": {}}
+    cfgs = {k: config(task, out, rollout={"engine": "local"}, optim={"warmup_steps": 2}, loss={"old_logprobs": k},
+                      metrics=wandb[k])
             for k, out in outs.items()}
-    procs = {k: launch(cfg, 1) for k, cfg in cfgs.items()}
+    with pytest.MonkeyPatch.context() as env:
+        for name in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
+            env.setenv(name, str(root / "wandb-home" / name.lower()))
+        procs = {k: launch(cfg, 1) for k, cfg in cfgs.items()}
     for k, proc in procs.items():
         finish(proc, cfgs[k])
     return outs
@@ -105,6 +113,10 @@ def test_local_engine_loop_trains_and_checkpoints(local_runs):
     assert [r["lr"] for r in records] == pytest.approx([5e-4, 1e-3, 1e-3])  # warmup over 2 rollout steps
     assert [r["weight_version"] for r in records] == [0, 1, 2]  # sampled by the weights of the step before
     assert (out / "checkpoints" / "step_000003" / "COMPLETE").is_file()
+    # wandb got every step's metrics, as the JSONL and tensorboard did, and the run's config
+    (run_file,) = out.glob("wandb/offline-run-*/run-*.wandb")
+    assert history(run_file) == [{k: v for k, v in r.items() if k != "time"} for r in records]
+    assert run_config(run_file)["algorithm"]["group_size"] == 4
 
 
 def test_old_logprobs_taken_from_the_local_engine_train_as_the_recomputed_ones(local_runs):
