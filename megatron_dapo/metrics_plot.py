@@ -11,6 +11,7 @@ command line is tools/plot_metrics.py.
 from __future__ import annotations
 
 import math
+import textwrap
 from pathlib import Path
 
 from megatron_dapo.metrics_log import RESERVED, read_metrics
@@ -62,9 +63,10 @@ def _constant(records: list[dict], name: str) -> float | None:
 
 
 def panels(records: list[dict]) -> tuple[dict[str, list[str]], dict[str, float]]:
-    """(panel title -> the metric names drawn in it: the key panels first, then the others of PANELS in its order,
-    then a panel per metric PANELS does not know (or per prefix before a "/"), in the order they first appear; the metrics left out because they never change -> their value). A metric
-    with a single record is drawn: one point does not show that it never changes."""
+    """(panel title -> the metric names drawn in it, and the metrics left out because they never change -> their
+    value). The key panels come first, then the others of PANELS in its order, then a panel per metric PANELS does
+    not know (or per prefix before a "/") in the order they first appear. A metric with a single record is drawn:
+    one point does not show that it never changes."""
     names: list[str] = []
     for record in records:
         names += [key for key in record if key not in RESERVED and key not in names]
@@ -86,8 +88,6 @@ def _flat_line(flat: dict[str, float]) -> str:
 
 def plot_metrics(jsonl_path, out_png, title: str | None = None) -> Path:
     """Write the PNG of `jsonl_path`'s metrics; returns its path."""
-    import textwrap
-
     import matplotlib
 
     matplotlib.use("Agg")
