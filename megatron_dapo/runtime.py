@@ -7,10 +7,12 @@ megatron-core CPU redirects (megatron_dapo.cpu_compat) before anything of megatr
 from __future__ import annotations
 
 import os
+import random
 import socket
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -19,11 +21,32 @@ from megatron_dapo import cpu_compat
 from megatron_dapo.config import ConfigError, ParallelConfig
 
 
+PORT_FLOOR = 10000  # below it: well-known services (SLURM's 6817-6819, web servers' 8000-9999)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on `host` right now (for a rendezvous or a server this process starts)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A TCP port free on `host` right now, for a rendezvous or a server this process starts. Drawn at random
+    below the kernel's ephemeral range, not from bind(0): a port there is where any process's outgoing
+    connections (calls to the servers, the gloo mesh) take their local ports, so one could take it between this
+    check and the listener's bind (EADDRINUSE), as the suite's two lanes showed."""
+    low = _ephemeral_low()
+    draw = random.SystemRandom()  # not the seeded module generator: two processes must not draw alike
+    for _ in range(100):
+        port = draw.randrange(PORT_FLOOR, low) if low > PORT_FLOOR + 1000 else 0
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise RuntimeError(f"free_port: no free TCP port on {host} in [{PORT_FLOOR}, {low}) after 100 draws")
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default, and the other systems' ranges start above it
 
 
 @dataclass(frozen=True)

@@ -235,24 +235,29 @@ def test_weights_pushed_into_a_running_server_reach_the_responses_in_flight(setu
     reset = post_json(f"{server.url}/update_weights_from_disk", {"model_path": str(root / "model"),
                                                                  "weight_version": "0"}, 300)
     assert reset["success"], reset
-    engine = SGLangEngine(server.url, max_in_flight=8)
-    stream = engine.stream(prompts * 3, 2, SamplingParams(max_new_tokens=64, ignore_eos=True))
-    samples = []
-    for group in stream:
-        if not samples:  # the next groups are decoding
-            with generation_paused([server.url], 300):
-                out = post_json(f"{server.url}/update_weights_from_disk",
-                                {"model_path": str(root / "model"), "weight_version": "1"}, 300)
-                assert out["success"], out
-        samples += group
-    assert len(samples) == 2 * 3 * len(prompts) and all(len(s.output_ids) == 64 for s in samples)
-    spanned = [s for s in samples if len(s.version_spans) == 2]
-    assert spanned, [s.version_spans for s in samples]  # responses that were running at the push
+    engine = SGLangEngine(server.url, max_in_flight=len(prompts))
+    long = SamplingParams(max_new_tokens=64, ignore_eos=True)
+    # SGLang's testing knob (a sleep before each forward pass) holds the responses in flight for 3 s at least, so
+    # that the push lands inside them however loaded this machine is; a short group sent after the long ones is
+    # the clock: once it is back, they are decoding.
+    post_json(f"{server.url}/slow_down", {"forward_sleep_time": 0.05}, 60)
+    try:
+        running = engine.stream(prompts[:-1], 2, long)
+        list(engine.stream(prompts[-1:], 2, SamplingParams(max_new_tokens=4, ignore_eos=True)))
+        with generation_paused([server.url], 300):
+            out = post_json(f"{server.url}/update_weights_from_disk",
+                            {"model_path": str(root / "model"), "weight_version": "1"}, 300)
+            assert out["success"], out
+        spanned = [s for group in running for s in group]
+    finally:
+        post_json(f"{server.url}/slow_down", {"forward_sleep_time": None}, 60)
+    assert len(spanned) == 2 * (len(prompts) - 1) and all(len(s.output_ids) == 64 for s in spanned)
     for s in spanned:
         (old, start, cut), (new, cut2, end) = s.version_spans
-        assert (old, new, start, end) == ("0", "1", 0, 64) and cut == cut2 and 0 < cut < 64
+        assert (old, new, start, end) == ("0", "1", 0, 64) and cut == cut2 and 0 < cut < 64, s.version_spans
         assert s.weight_version == "0"
-    assert samples[-1].version_spans == (("1", 0, 64),) and samples[-1].weight_version == "1"  # sent after it
+    after = [s for group in engine.stream(prompts[:1], 2, long) for s in group]
+    assert all(s.version_spans == (("1", 0, 64),) and s.weight_version == "1" for s in after)
     engine.close()
 
 

@@ -1,5 +1,6 @@
 """The runtime's launch-environment parsing and the megatron-core CPU compatibility layer."""
 
+import random
 import socket
 
 import pytest
@@ -7,7 +8,7 @@ import torch
 
 from megatron_dapo import cpu_compat
 from megatron_dapo.config import ConfigError
-from megatron_dapo.runtime import launch_env
+from megatron_dapo.runtime import PORT_FLOOR, free_port, launch_env
 
 
 def test_torchrun_environment():
@@ -27,6 +28,19 @@ def test_the_node_is_the_host_outside_slurm():
 
 def test_single_process_without_launcher():
     assert launch_env({}).world_size == 1
+
+
+def test_free_ports_lie_below_the_ephemeral_range_and_differ_whatever_the_seed():
+    """A port inside the ephemeral range may be taken by any process's outgoing connection before the listener
+    binds it (the suite's lanes failed so); two processes seeded alike must not draw the same port."""
+    low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    ports = []
+    for _ in range(20):
+        random.seed(0)
+        ports.append(free_port())
+    assert all(PORT_FLOOR <= p < low for p in ports) and len(set(ports)) > 10, ports
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", ports[-1]))
 
 
 def test_multi_process_needs_master_addr():
