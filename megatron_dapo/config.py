@@ -146,9 +146,10 @@ ACTIVATION_RECOMPUTE = ("none", "full")
 TRAINING_DTYPES = ("auto", "bfloat16", "float32")
 
 
-def default_training_dtype(device: str) -> str:
-    """model.dtype "auto" on parallel.device `device`: the one definition of the default precision."""
-    return "bfloat16" if device == "cuda" else "float32"
+def default_training_dtype(gpu: bool) -> str:
+    """model.dtype "auto" for a run that builds what a GPU runs (`gpu`: on GPUs, or device-faithful on the CPU)
+    or not: the one definition of the default precision."""
+    return "bfloat16" if gpu else "float32"
 
 
 @dataclass(frozen=True)
@@ -160,8 +161,9 @@ class ModelConfig:
     # more compute per training step for a fraction of the activation memory. "none": keep all activations.
     activation_recompute: str = "none"
     # The dtype the policy trains in (its parameters and activations; with bfloat16 the optimizer keeps an fp32
-    # master copy of the weights and accumulates gradients in fp32). "auto": bfloat16 on GPUs, float32 on the CPU.
-    # bfloat16 on the CPU runs the GPU's precision path there (megatron-core's bf16 optimizer over gloo).
+    # master copy of the weights and accumulates gradients in fp32). "auto": bfloat16 on GPUs and in device-faithful
+    # CPU runs (the tests), float32 on the CPU otherwise. bfloat16 on the CPU runs the GPU's precision path there
+    # (megatron-core's bf16 optimizer over gloo).
     dtype: str = "auto"
 
     def __post_init__(self):
@@ -174,9 +176,9 @@ class ModelConfig:
                  f"must be one of {', '.join(TRAINING_DTYPES)}, got {self.dtype!r} (float16 would need loss scaling, "
                  "which the trainer does not do: use bfloat16)")
 
-    def training_dtype(self, device: str) -> str:
-        """model.dtype on parallel.device `device`: "bfloat16" or "float32"."""
-        return self.dtype if self.dtype != "auto" else default_training_dtype(device)
+    def training_dtype(self, gpu: bool) -> str:
+        """model.dtype in a run that builds what a GPU runs (`gpu`) or not: "bfloat16" or "float32"."""
+        return self.dtype if self.dtype != "auto" else default_training_dtype(gpu)
 
 
 @dataclass(frozen=True)

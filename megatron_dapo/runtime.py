@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_dapo import cpu_compat
+from megatron_dapo import cpu_compat, device_faithful
 from megatron_dapo.config import ConfigError, ParallelConfig
 
 
@@ -72,6 +72,12 @@ def launch_env(environ=None) -> LaunchEnv:
         raise ConfigError("MASTER_ADDR: not set; launch with torchrun, or export MASTER_ADDR/MASTER_PORT for srun")
     return LaunchEnv(rank, world, local, env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", 29500)),
                      env.get("SLURMD_NODENAME") or socket.gethostname())
+
+
+def builds_for_gpu(parallel: ParallelConfig) -> bool:
+    """Whether this run builds what a GPU run builds, its precision included: on GPUs, and in device-faithful CPU
+    runs, also in their processes that do not start the mode (a server's, the rollout service's)."""
+    return parallel.device == "cuda" or device_faithful.requested()
 
 
 def tensors_on_gpu(parallel: ParallelConfig) -> bool:

@@ -51,7 +51,7 @@ from megatron_dapo.rollout.server_key import SERVER_KEY_ENV, ensure_server_key
 from megatron_dapo.rollout.server_memory import ServerMemory
 from megatron_dapo.rollout_service import RESYNC, ReadyBatch, RolloutService
 from megatron_dapo.run_config import DapoConfig
-from megatron_dapo.runtime import DriverSignal, init_runtime, shutdown_runtime
+from megatron_dapo.runtime import DriverSignal, builds_for_gpu, init_runtime, shutdown_runtime
 from megatron_dapo.share_scatter import ShareScatter
 
 log = logging.getLogger(__name__)
@@ -104,7 +104,7 @@ class DapoTrainer:
                                     activation_recompute=cfg.model.activation_recompute,
                                     updates_per_step=cfg.train.updates_per_step,
                                     temperature=cfg.rollout.temperature,
-                                    params_dtype=getattr(torch, cfg.model.training_dtype(cfg.parallel.device)))
+                                    params_dtype=getattr(torch, cfg.model.training_dtype(builds_for_gpu(cfg.parallel))))
         load_policy_weights(self.policy, hf.get)
         self.reference = self._frozen_reference(hf) if cfg.loss.kl_coef > 0 else None
         self.output_dir = Path(cfg.train.output_dir)

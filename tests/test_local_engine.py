@@ -8,7 +8,7 @@ import torch
 from torchrun_launch import torchrun
 
 sys.path.insert(0, str(Path(__file__).parent / "distributed"))
-from tiny_models import VOCAB, hf_model  # noqa: E402
+from tiny_models import PARITY_DTYPE, VOCAB, hf_model  # noqa: E402
 
 from megatron_dapo.config import ConfigError, ParallelConfig  # noqa: E402
 from megatron_dapo.rollout.engine import SamplingParams  # noqa: E402
@@ -31,7 +31,7 @@ def policy():
     runtime = init_runtime(parallel, environ=env)
     hf, cfg = hf_model("qwen2", seed=2)
     spec = model_spec_from_hf(cfg)
-    model = build_model(spec, parallel, pre_process=True, post_process=True)
+    model = build_model(spec, parallel, pre_process=True, post_process=True, params_dtype=PARITY_DTYPE)
     load_hf_weights(model, hf.state_dict().__getitem__, spec, parallel)
     yield model, spec, runtime, hf
     shutdown_runtime()
@@ -121,7 +121,8 @@ def test_samples_come_from_the_weights_the_trainer_just_updated(policy):
 
     _, spec, runtime, hf = policy
     parallel = ParallelConfig(device="cpu")
-    trainer = PolicyTrainer(spec, parallel, runtime.device, OptimConfig(lr=1e-2, warmup_steps=0), LossConfig(), 2048)
+    trainer = PolicyTrainer(spec, parallel, runtime.device, OptimConfig(lr=1e-2, warmup_steps=0), LossConfig(), 2048,
+                            params_dtype=PARITY_DTYPE)
     load_policy_weights(trainer, hf.state_dict().__getitem__)
     engine = LocalEngine(trainer.model, vocab_size=spec.vocab_size, max_positions=spec.max_position_embeddings,
                          eos_token_ids=EOS, device=runtime.device)

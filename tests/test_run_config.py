@@ -135,15 +135,22 @@ def test_colocated_servers_get_the_memory_saver_on_gpus_only():
     assert "--enable-memory-saver" not in server_config(config_from_dict(MINIMAL)).extra_args
 
 
-@pytest.mark.parametrize("overrides, dtype", [
-    ([], "bfloat16"),  # model.dtype auto on GPUs, whatever the checkpoint's torch_dtype
-    (["model.dtype=float32"], "float32"),
-    (["parallel.device=cpu", "rollout.server_device=cpu"], "float32"),
-    (["parallel.device=cpu", "rollout.server_device=cpu", "model.dtype=bfloat16"], "bfloat16"),
+CPU = ["parallel.device=cpu", "rollout.server_device=cpu"]
+
+
+@pytest.mark.parametrize("overrides, faithful, dtype", [
+    ([], "0", "bfloat16"),  # model.dtype auto on GPUs, whatever the checkpoint's torch_dtype
+    (["model.dtype=float32"], "0", "float32"),
+    (CPU, "0", "float32"),
+    (CPU, "1", "bfloat16"),  # device-faithful: what a GPU run builds
+    ([*CPU, "model.dtype=float32"], "1", "float32"),
+    ([*CPU, "model.dtype=bfloat16"], "0", "bfloat16"),
 ])
-def test_servers_sample_at_the_policys_training_dtype(overrides, dtype):
+def test_servers_sample_at_the_policys_training_dtype(overrides, faithful, dtype, monkeypatch):
+    from megatron_dapo.device_faithful import ENV
     from megatron_dapo.rollout.from_config import server_config
 
+    monkeypatch.setenv(ENV, faithful)
     assert server_config(config_from_dict(MINIMAL, overrides)).dtype == dtype
 
 

@@ -26,7 +26,7 @@ from megatron_dapo.policy.hf_config import ModelSpec
 
 # DP=2: the distributed optimizer's state really is split between the ranks; nodist: megatron's plain optimizer;
 # bf16: the GPU's precision (bf16 weights, fp32 masters in the optimizer), for Qwen2 (qkv biases beside the norms
-# in the no-weight-decay group) and Llama.
+# in the no-weight-decay group) and Llama; the others fp32 by name.
 LAYOUTS = {"tp2-pp1-dp1": "2,1", "tp1-pp2-dp1": "1,2", "tp1-pp1-dp2": "1,1", "tp1-pp2-dp1-nodist": "1,2,nodist",
            "tp1-pp1-dp2-bf16": "1,1,bf16", "tp1-pp1-dp2-nodist-bf16": "1,1,nodist,bf16",
            "tp1-pp1-dp2-bf16-llama": "1,1,bf16,llama", "tp1-pp1-dp2-nodist-bf16-llama": "1,1,nodist,bf16,llama"}

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from megatron_dapo.config import ConfigError, ParallelConfig, default_training_dtype
 from megatron_dapo.policy.hf_config import ModelSpec
-from megatron_dapo.runtime import tensors_on_gpu
+from megatron_dapo.runtime import builds_for_gpu, tensors_on_gpu
 
 VOCAB_DIVISIBLE_BY = 128  # Megatron's default padding unit, times the TP size
 
@@ -54,13 +54,14 @@ def recompute_options(activation_recompute: str) -> dict:
 
 def transformer_config(spec: ModelSpec, parallel: ParallelConfig, params_dtype: torch.dtype | None = None,
                        initialize: bool = True, activation_recompute: str = "none"):
-    """bf16 on GPU and fp32 on CPU unless `params_dtype` says otherwise (the converter keeps the file's).
+    """bf16 on GPUs (and device-faithful on the CPU), else fp32, unless `params_dtype` says otherwise (the
+    converter keeps the file's).
     `initialize=False` leaves the weights unset, for a model that is about to be filled from a checkpoint.
     `activation_recompute` is model.activation_recompute; only the trained model needs "full"."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     check_divisibility(spec, parallel)
-    dtype = params_dtype or getattr(torch, default_training_dtype(parallel.device))
+    dtype = params_dtype or getattr(torch, default_training_dtype(builds_for_gpu(parallel)))
     return TransformerConfig(
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from megatron_dapo.rollout.sglang_engine import SGLangEngine
 from megatron_dapo.rollout.sglang_server import SGLangServerConfig
 from megatron_dapo.run_config import DapoConfig
+from megatron_dapo.runtime import builds_for_gpu
 
 
 def server_config(cfg: DapoConfig, *, host: str = "127.0.0.1", port: int | None = None,
@@ -19,7 +20,7 @@ def server_config(cfg: DapoConfig, *, host: str = "127.0.0.1", port: int | None 
     on_cpu = rollout.server_device == "cpu"
     return SGLangServerConfig(cfg.model.path, device=rollout.server_device, host=host, port=port,
                               tensor_parallel=rollout.server_tensor_parallel, base_gpu_id=base_gpu_id,
-                              dtype=cfg.model.training_dtype(cfg.parallel.device),
+                              dtype=cfg.model.training_dtype(builds_for_gpu(cfg.parallel)),
                               max_total_tokens=16384 if on_cpu else None,
                               startup_timeout_s=rollout.server_startup_timeout_s,
                               extra_args=list(rollout.server_extra_args)

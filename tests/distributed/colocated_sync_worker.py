@@ -15,6 +15,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from tiny_models import PARITY_DTYPE
 
 from megatron_dapo.checkpoint.hf_export import iter_hf_tensors
 from megatron_dapo.checkpoint.hf_weights import load_policy_weights
@@ -41,7 +42,8 @@ def main(out_json, model_dir, url, bucket_mb):
     runtime = init_runtime(parallel)
     ckpt = HFCheckpoint(model_dir)
     spec = model_spec_from_hf(ckpt.config)
-    trainer = PolicyTrainer(spec, parallel, runtime.device, OptimConfig(lr=2e-2, warmup_steps=0), LossConfig(), 512)
+    trainer = PolicyTrainer(spec, parallel, runtime.device, OptimConfig(lr=2e-2, warmup_steps=0), LossConfig(), 512,
+                            params_dtype=PARITY_DTYPE)
     load_policy_weights(trainer, ckpt.get)
 
     full = [(name, (t.cpu() - ckpt.get(name)).abs().max().item()) for name, t in

@@ -6,7 +6,7 @@ argv: OUT_TXT; rank 0 writes the error message there.
 import sys
 
 import torch.distributed as dist
-from tiny_models import hf_model
+from tiny_models import PARITY_DTYPE, hf_model
 
 from megatron_dapo.config import ConfigError, ParallelConfig
 from megatron_dapo.policy.hf_config import model_spec_from_hf
@@ -19,7 +19,7 @@ def main(out_txt):
     parallel = ParallelConfig(tensor_parallel=2, device="cpu")
     runtime = init_runtime(parallel)
     spec = model_spec_from_hf(hf_model("qwen2")[1])
-    model = build_model(spec, parallel, pre_process=True, post_process=True)
+    model = build_model(spec, parallel, pre_process=True, post_process=True, params_dtype=PARITY_DTYPE)
     try:
         LocalEngine(model, vocab_size=spec.vocab_size, max_positions=spec.max_position_embeddings, eos_token_ids=[0],
                     device=runtime.device)

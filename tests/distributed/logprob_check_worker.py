@@ -9,6 +9,7 @@ import json
 import sys
 
 import torch.distributed as dist
+from tiny_models import PARITY_DTYPE
 
 from megatron_dapo.checkpoint.hf_weights import load_hf_weights
 from megatron_dapo.checkpoint.safetensors_io import HFCheckpoint
@@ -29,7 +30,7 @@ def main(out_json, model_dir, tp, pp, *cases):
     ckpt = HFCheckpoint(model_dir)
     spec = model_spec_from_hf(ckpt.config)
     model = build_model(spec, parallel, pre_process=parallel_state.is_pipeline_first_stage(),
-                        post_process=parallel_state.is_pipeline_last_stage())
+                        post_process=parallel_state.is_pipeline_last_stage(), params_dtype=PARITY_DTYPE)
     load_hf_weights(model, ckpt.get, spec, parallel)
     model.train()
     recompute = logprob_recomputer(model, vocab_size=spec.vocab_size, max_positions=spec.max_position_embeddings,

@@ -9,7 +9,7 @@ import os
 import sys
 
 import torch
-from tiny_models import hf_model, hf_response_logprobs, sequences
+from tiny_models import PARITY_DTYPE, hf_model, hf_response_logprobs, sequences
 
 from megatron_dapo.checkpoint.hf_weights import load_hf_weights
 from megatron_dapo.config import ParallelConfig
@@ -39,7 +39,7 @@ def build_loaded(spec, parallel, get):
 
     runtime = init_runtime(parallel)
     model = build_model(spec, parallel, pre_process=parallel_state.is_pipeline_first_stage(),
-                        post_process=parallel_state.is_pipeline_last_stage())
+                        post_process=parallel_state.is_pipeline_last_stage(), params_dtype=PARITY_DTYPE)
     load_hf_weights(model, get, spec, parallel)
     return model.eval(), runtime
 

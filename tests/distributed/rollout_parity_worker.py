@@ -11,6 +11,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+from tiny_models import PARITY_DTYPE
 
 from megatron_dapo.checkpoint.hf_weights import load_hf_weights
 from megatron_dapo.checkpoint.safetensors_io import HFCheckpoint
@@ -28,7 +29,7 @@ def main(out_json, model_dir, samples_json, tp, temperature="1.0"):
     ckpt = HFCheckpoint(model_dir)
     spec = model_spec_from_hf(ckpt.config)
     ckpt.validate(spec)
-    model = build_model(spec, parallel, pre_process=True, post_process=True)
+    model = build_model(spec, parallel, pre_process=True, post_process=True, params_dtype=PARITY_DTYPE)
     load_hf_weights(model, ckpt.get, spec, parallel)
     samples = json.loads(open(samples_json).read())
     seqs = [Sequence(torch.tensor(s["prompt"] + s["output"]), len(s["prompt"])) for s in samples]

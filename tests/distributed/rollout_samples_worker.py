@@ -11,7 +11,7 @@ import sys
 
 import torch
 import torch.distributed as dist
-from tiny_models import hf_model, hf_response_logprobs, sequences
+from tiny_models import PARITY_DTYPE, hf_model, hf_response_logprobs, sequences
 
 from megatron_dapo.checkpoint.hf_weights import load_hf_weights
 from megatron_dapo.config import ParallelConfig
@@ -55,7 +55,7 @@ def run_layout(out_dir, tp, pp, hf, spec):
     stages = []
     for _ in range(2):  # the policy and the frozen KL reference
         model = build_model(spec, parallel, pre_process=parallel_state.is_pipeline_first_stage(),
-                            post_process=parallel_state.is_pipeline_last_stage())
+                            post_process=parallel_state.is_pipeline_last_stage(), params_dtype=PARITY_DTYPE)
         load_hf_weights(model, hf.state_dict().__getitem__, spec, parallel)
         stages.append(model.eval())
     items, expected, reference = items_and_expected(hf)

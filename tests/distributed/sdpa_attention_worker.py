@@ -9,7 +9,7 @@ import os
 import sys
 
 import torch
-from tiny_models import hf_model, hf_response_logprobs, sequences
+from tiny_models import PARITY_DTYPE, hf_model, hf_response_logprobs, sequences
 
 from megatron_dapo.policy.sdpa_attention import SdpaAttention
 
@@ -98,7 +98,7 @@ def model_errors(kind: str, parallel, runtime) -> dict:
 
     hf, cfg = hf_model(kind)
     spec = model_spec_from_hf(cfg)
-    model = build_model(spec, parallel, pre_process=True, post_process=True)
+    model = build_model(spec, parallel, pre_process=True, post_process=True, params_dtype=PARITY_DTYPE)
     load_hf_weights(model, hf.state_dict().__getitem__, spec, parallel)
     seqs = sequences()
     out = response_logprobs(model, seqs, vocab_size=spec.vocab_size, max_positions=spec.max_position_embeddings,

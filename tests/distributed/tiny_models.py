@@ -4,6 +4,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 VOCAB = 300  # not a multiple of 128: the padded vocabulary has columns to leave out
+# Parity and invariance checks build the policy in float32: the device-faithful mode's default, bf16 as on a GPU,
+# would bury a wrong mapping or a split that changes the sum under its rounding.
+PARITY_DTYPE = torch.float32
 
 TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
             vocab_size=VOCAB, max_position_embeddings=96, rms_norm_eps=1e-5)

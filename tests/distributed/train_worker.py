@@ -14,7 +14,7 @@ import sys
 
 import torch
 import torch.distributed as dist
-from tiny_models import hf_model, hf_response_logprobs, sequences
+from tiny_models import PARITY_DTYPE, hf_model, hf_response_logprobs, sequences
 
 from megatron_dapo.checkpoint.hf_mapping import hf_tensors, tp_dim
 from megatron_dapo.checkpoint.hf_weights import global_name, layer_offset, load_policy_weights
@@ -86,7 +86,7 @@ def tis_normaliser_case(out_dir, spec, hf):
     optim = OptimConfig(lr=1e3, adam_eps=1e3, warmup_steps=0, weight_decay=0.0, clip_grad=0.0)
     norms, counts = {}, {}
     for case in ("weighted", "left_out"):
-        trainer = PolicyTrainer(spec, parallel, runtime.device, optim, LossConfig(), 100000)
+        trainer = PolicyTrainer(spec, parallel, runtime.device, optim, LossConfig(), 100000, params_dtype=PARITY_DTYPE)
         load_policy_weights(trainer, hf.state_dict().__getitem__)
         samples = []
         for s in batch(hf):
@@ -175,7 +175,7 @@ def run_layout(out_dir, layout, spec, hf):
     optim = (OptimConfig(lr=3e-3, warmup_steps=0, weight_decay=0.0, clip_grad=1.0) if adam else
              OptimConfig(lr=1e3, adam_eps=1e3, warmup_steps=0, weight_decay=0.0, clip_grad=0.0))
     trainer = PolicyTrainer(spec, parallel, runtime.device, optim, LossConfig(dual_clip_c=3.0), mb_tokens,
-                            activation_recompute="full" if recompute else "none")
+                            activation_recompute="full" if recompute else "none", params_dtype=PARITY_DTYPE)
     load_policy_weights(trainer, hf.state_dict().__getitem__)
     dp, dp_rank = runtime.data_parallel, parallel_state.get_data_parallel_rank()
     samples = batch(hf)

@@ -96,7 +96,7 @@ def run_layout(out_dir, mode, layout):
         tag = f"{tag}-from-{source}"
     optim = dataclasses.replace(OPTIM, distributed_optimizer=not nodist)
     trainer = PolicyTrainer(spec, parallel, runtime.device, optim, LossConfig(), 200,
-                            params_dtype=torch.bfloat16 if bf16 else None)
+                            params_dtype=torch.bfloat16 if bf16 else torch.float32)
     samples = batch(hf)
     if full:
         load_policy_weights(trainer, hf.state_dict().__getitem__)

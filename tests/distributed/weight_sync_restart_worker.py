@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import torch
+from tiny_models import PARITY_DTYPE
 from weight_sync_worker import parity, sample, versions
 
 from megatron_dapo.checkpoint.hf_weights import load_policy_weights
@@ -44,7 +45,8 @@ def policy(model_dir, parallel: ParallelConfig):
     runtime = init_runtime(parallel)
     ckpt = HFCheckpoint(model_dir)
     spec = model_spec_from_hf(ckpt.config)
-    trainer = PolicyTrainer(spec, parallel, runtime.device, OptimConfig(warmup_steps=0), LossConfig(), 512)
+    trainer = PolicyTrainer(spec, parallel, runtime.device, OptimConfig(warmup_steps=0), LossConfig(), 512,
+                            params_dtype=PARITY_DTYPE)
     load_policy_weights(trainer, ckpt.get)
     return trainer, spec, ckpt.config, runtime
 

@@ -10,6 +10,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+from tiny_models import PARITY_DTYPE
 
 from megatron_dapo.checkpoint.hf_weights import load_policy_weights
 from megatron_dapo.checkpoint.safetensors_io import HFCheckpoint
@@ -68,7 +69,8 @@ def main(out_json, model_dir, url, work_dir, tp, pp, routes, bucket_mb):
     runtime = init_runtime(parallel)
     ckpt = HFCheckpoint(model_dir)
     spec = model_spec_from_hf(ckpt.config)
-    trainer = PolicyTrainer(spec, parallel, runtime.device, OptimConfig(lr=2e-2, warmup_steps=0), LossConfig(), 512)
+    trainer = PolicyTrainer(spec, parallel, runtime.device, OptimConfig(lr=2e-2, warmup_steps=0), LossConfig(), 512,
+                            params_dtype=PARITY_DTYPE)
     load_policy_weights(trainer, ckpt.get)
     before = sample(url)
     before_diff, seqs = parity(trainer, spec, runtime, before)
