@@ -87,7 +87,8 @@ def run_ours(out: Path, seed: int, steps: int, final: Path) -> dict:
     trainer = DapoTrainer(cfg)
     try:
         result = timed(trainer.train)
-        export_hf_checkpoint(trainer.policy.module, trainer.spec, cfg.parallel, final, hf_config=trainer.hf_config,
+        policy = trainer.policy
+        export_hf_checkpoint(policy.module, policy.spec, cfg.parallel, final, hf_config=policy.hf_config,
                              side_files_from=cfg.model.path)
     finally:
         trainer.close()

@@ -88,6 +88,13 @@ class MetricsLogger:
         if wandb is not None and wandb.project is not None:
             self._wandb = _wandb_run(wandb, self.path.parent, run_config or {}, resumed=resume_step is not None)
 
+    @classmethod
+    def for_run(cls, cfg, resume_step: int | None) -> MetricsLogger:
+        """The run's (`cfg`: a run_config.DapoConfig): in train.output_dir, with its tensorboard and wandb
+        settings; `resume_step`: the checkpoint's step a resumed run goes on from."""
+        return cls(cfg.train.output_dir, tensorboard=cfg.train.tensorboard, resume_step=resume_step,
+                   wandb=cfg.metrics.wandb, run_config=cfg.to_dict())
+
     def _truncate_after(self, resume_step: int | None) -> None:
         if not self.path.is_file():
             return

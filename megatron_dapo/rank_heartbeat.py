@@ -27,6 +27,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from megatron_dapo.runtime import LaunchEnv
+
 log = logging.getLogger(__name__)
 
 STUCK_EXIT_CODE = 75
@@ -40,6 +42,12 @@ class StoreStuck(RuntimeError):
 
 class RankHeartbeat:
     """`store_address` None (a job of one rank): no beats, only the main thread's deadlines."""
+
+    @classmethod
+    def of_rank(cls, env: LaunchEnv, timeout_s: float) -> RankHeartbeat:
+        """This rank's, from its launch (a one-process run has no store to beat into)."""
+        return cls(env.rank, env.world_size, env.node, env.master_addr if env.world_size > 1 else None,
+                   env.master_port, timeout_s)
 
     def __init__(self, rank: int, world_size: int, node: str, store_address: str | None, store_port: int,
                  timeout_s: float):

@@ -84,6 +84,17 @@ class RolloutService:
         # Setup's, not the first step's: seconds of worker start-up, and a worker that cannot start is named now.
         self.reward_pool.wait_until_ready()
 
+    @classmethod
+    def in_process(cls, cfg: DapoConfig, policy, device, dp_size: int) -> RolloutService:
+        """Over the in-process engine, which samples with the live `policy` (checkpoint.policy_from_hf.Policy)."""
+        from megatron_dapo.rollout.local_engine import LocalEngine, hf_eos_token_ids
+
+        engine = LocalEngine(policy.module, vocab_size=policy.spec.vocab_size,
+                             max_positions=policy.spec.max_position_embeddings,
+                             eos_token_ids=hf_eos_token_ids(policy.hf_config), device=device, seed=cfg.parallel.seed,
+                             weight_version="0")
+        return cls(cfg, engine, dp_size)
+
     # -- jobs ---------------------------------------------------------------------------------------
 
     def start_batch(self, step: int) -> None:

@@ -160,6 +160,13 @@ class DriverSignal:
         return self.store.get(key).decode()
 
 
+def driver_value(value):
+    """Every rank (collective): the driver's (global rank 0's) `value`, a picklable object."""
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def reset_parallel_layout() -> None:
     """Drop megatron's parallel groups, keeping torch.distributed, so another layout can be set up."""
     from megatron.core import parallel_state

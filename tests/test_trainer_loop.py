@@ -242,19 +242,15 @@ def test_sglang_tp2_one_step_off_a_stopped_rank_ends_the_run_naming_it_and_the_r
 
 
 def test_fewer_updates_than_updates_per_step_are_said_once_with_the_numbers(caplog):
-    from types import SimpleNamespace
-
+    from megatron_dapo.loop.step_watch import UpdateCutter
     from megatron_dapo.rank_shares import PackedShare, deal_by_tokens
     from megatron_dapo.samples import TrainItem
-    from megatron_dapo.trainer import DapoTrainer
 
     def cut(n):  # a one-rank share of n responses, cut as the trainer cuts it
         share = PackedShare.pack(deal_by_tokens([TrainItem([1], [2], [-0.5], 1.0, True)] * n, 1, 4)[0])
-        return [len(u) for u in trainer._updates(list(range(n)), share)]
+        return [len(u) for u in cutter.cut(list(range(n)), share, 7)]
 
-    trainer = DapoTrainer.__new__(DapoTrainer)  # only the step's cutting, no runtime
-    trainer.cfg = SimpleNamespace(train=SimpleNamespace(updates_per_step=4))
-    trainer.step_index, trainer.warned_fewer_updates = 6, False
+    cutter = UpdateCutter(updates_per_step=4)
     with caplog.at_level("WARNING"):
         assert cut(8) == [2, 2, 2, 2]
         assert cut(2) == [1, 1]
@@ -265,23 +261,19 @@ def test_fewer_updates_than_updates_per_step_are_said_once_with_the_numbers(capl
 
 
 def test_steps_with_non_finite_updates_are_logged_with_their_batch_and_stop_the_run_after_max_bad_steps(caplog):
-    from types import SimpleNamespace
-
+    from megatron_dapo.loop.step_watch import BadStepWatch
     from megatron_dapo.policy.train_step import StepResult
-    from megatron_dapo.trainer import DapoTrainer
 
-    trainer = DapoTrainer.__new__(DapoTrainer)  # only the numerics bookkeeping, no runtime
-    trainer.cfg = SimpleNamespace(train=SimpleNamespace(max_bad_steps=2))
-    trainer.driver, trainer.step_index, trainer.bad_steps, trainer.batch_prompts = True, 4, 0, [3, 17]
+    watch = BadStepWatch(max_bad_steps=2, driver=True)
     good, bad = StepResult(0.1, 1.0, 1e-6), StepResult(float("nan"), float("nan"), 1e-6, applied=False)
     with caplog.at_level("WARNING"):
-        trainer._check_numerics([good, bad])
-        assert trainer.bad_steps == 1
-        trainer._check_numerics([good, good])  # a clean step: the count starts again
-        assert trainer.bad_steps == 0
-        trainer._check_numerics([bad, bad])
+        watch.observe(5, [good, bad], [3, 17])
+        assert watch.bad_steps == 1
+        watch.observe(5, [good, good], [3, 17])  # a clean step: the count starts again
+        assert watch.bad_steps == 0
+        watch.observe(5, [bad, bad], [3, 17])
         with pytest.raises(RuntimeError, match=r"2 steps in a row .* \(train.max_bad_steps = 2\)"):
-            trainer._check_numerics([bad, good])
+            watch.observe(5, [bad, good], [3, 17])
     said = [r.message for r in caplog.records if "not finite" in r.message]
     assert "update(s) [1] of 2 skipped" in said[0] and "the other updates were applied" in said[0]
     assert "nothing was applied, the servers keep their weights" in said[1]

@@ -15,6 +15,7 @@ rank 0) with the engine, the others with None. Every rank gets the same answer, 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -22,6 +23,8 @@ import torch.distributed as dist
 
 from megatron_dapo.config import ConfigError
 from megatron_dapo.rollout.engine import SamplingParams
+
+log = logging.getLogger(__name__)
 
 # (prompt_ids, output_ids) pairs, temperature -> each response's token log-probs, on global rank 0 (collective).
 Recompute = Callable[[list[tuple[list[int], list[int]]], float], list[list[float]]]
@@ -112,3 +115,24 @@ def check_engine_logprobs(engine, recompute: Recompute, *, temperature: float,
     if reason is not None:
         raise ConfigError(reason)
     return agreement
+
+
+def check_servers(urls: list[str], model, spec, *, temperature: float, max_tokens_per_micro_batch: int,
+                  device) -> None:
+    """Every trainer rank: the servers given by URL (rollout.server_urls) against the policy `model` (its stage on
+    this rank); a ConfigError on every rank if they do not return its log-probs at `temperature`."""
+    from megatron_dapo.policy.forward import logprob_recomputer
+    from megatron_dapo.rollout.sglang_engine import SGLangEngine
+
+    recompute = logprob_recomputer(model, vocab_size=spec.vocab_size, max_positions=spec.max_position_embeddings,
+                                   max_tokens_per_micro_batch=max_tokens_per_micro_batch, device=device)
+    driver = dist.get_rank() == 0
+    engine = SGLangEngine(list(urls), max_server_restarts=0) if driver else None
+    try:
+        a = check_engine_logprobs(engine, recompute, temperature=temperature)
+    finally:
+        if engine is not None:
+            engine.close()
+    if driver:
+        log.info("rollout.server_urls: log-probs match the policy's at temperature %g (mean |diff| %.2g over %d "
+                 "tokens; %.2g at temperature 1)", a.temperature, a.diff_tempered, a.tokens, a.diff_untempered)

@@ -36,6 +36,16 @@ def ensure_server_key() -> str:
     return os.environ[SERVER_KEY_ENV]
 
 
+def share_server_key() -> None:
+    """Every trainer rank (collective): the driver's key (its environment's, else a new one) in this rank's
+    environment, where the servers the run starts and every call to them take it from."""
+    import torch.distributed as dist  # here: the servers' launcher below stays light
+
+    from megatron_dapo.runtime import driver_value
+
+    os.environ[SERVER_KEY_ENV] = driver_value(ensure_server_key() if dist.get_rank() == 0 else None)
+
+
 def keyed_command(python: str, module: str, args: list[str]) -> list[str]:
     """The command that runs `python -m module args` with the run's key added by this module's launcher."""
     return [python, "-m", "megatron_dapo.rollout.server_key", module, *args]

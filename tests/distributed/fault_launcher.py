@@ -63,9 +63,9 @@ def inject_ckpt_stall() -> None:
 def inject_nan_logprobs() -> None:
     from megatron_dapo.policy import rollout_samples
     from megatron_dapo.policy.batch import micro_batches
-    from megatron_dapo.trainer import DapoTrainer
+    from megatron_dapo.loop.batch_feed import BatchFeed
 
-    recompute, share = rollout_samples.response_logprobs, DapoTrainer._share
+    recompute, share = rollout_samples.response_logprobs, BatchFeed.next_share
     calls = [0]  # old log-prob passes: one per rollout step (no reference model)
 
     def poisoned(model, seqs, **kwargs):
@@ -78,17 +78,17 @@ def inject_nan_logprobs() -> None:
             fired(f"step {calls[0]}")
         return out
 
-    def recorded_share(self):
-        result = share(self)
+    def recorded_share(self, step):
+        result = share(self, step)
         if self.driver:
-            record = {"step": self.step_index + 1, "weight_version": result[1].get("weight_version"),
+            record = {"step": step + 1, "weight_version": result[1].get("weight_version"),
                       "prompts": self.batch_prompts}
             with open(os.environ["DAPO_FAULT_SIGNAL"] + ".batches", "a") as f:
                 f.write(json.dumps(record) + "\n")
         return result
 
     rollout_samples.response_logprobs = poisoned
-    DapoTrainer._share = recorded_share
+    BatchFeed.next_share = recorded_share
 
 
 if __name__ == "__main__":

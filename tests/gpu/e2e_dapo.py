@@ -160,12 +160,13 @@ def run(device: str, dtype: str, out: Path, task: Path | None, steps: int, seed:
         times["checkpoint save"] = time.perf_counter() - t
         final = weights(trainer)
         t = time.perf_counter()
-        export_hf_checkpoint(trainer.policy.module, trainer.spec, cfg.parallel, hf_dir, hf_config=trainer.hf_config,
+        policy = trainer.policy
+        export_hf_checkpoint(policy.module, policy.spec, cfg.parallel, hf_dir, hf_config=policy.hf_config,
                              side_files_from=cfg.model.path)
         times["export to Hugging Face"] = time.perf_counter() - t
         t = time.perf_counter()
-        ours = response_logprobs(trainer.policy.module.eval(), seqs, vocab_size=trainer.spec.vocab_size,
-                                 max_positions=trainer.spec.max_position_embeddings,
+        ours = response_logprobs(trainer.policy.module.eval(), seqs, vocab_size=trainer.policy.spec.vocab_size,
+                                 max_positions=trainer.policy.spec.max_position_embeddings,
                                  max_tokens_per_micro_batch=cfg.model.max_tokens_per_micro_batch,
                                  device=trainer.runtime.device)
         ours = [lp.double().cpu() for lp, _ in ours]

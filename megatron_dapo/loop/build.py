@@ -1,0 +1,98 @@
+"""The trainer's parts, each built by its own subsystem from the run's config, in the order a run needs them:
+the process groups, the policy, the rollout service and its servers, a resume, the weights' route to the servers,
+the schedule of the rollout mode, the metrics. Every rank builds them, in the same order (several are
+collective); the driver (global rank 0) alone holds the rollout service and the metrics."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch.distributed as dist
+
+from megatron_dapo.checkpoint.mcore_checkpoint import start_writer_helper
+from megatron_dapo.checkpoint.policy_from_hf import Policy, build_policy, open_hf_checkpoint
+from megatron_dapo.checkpoint.trainer_checkpoint import latest_checkpoint, load_trainer_checkpoint, read_driver_state
+from megatron_dapo.loop.batch_feed import BatchFeed
+from megatron_dapo.loop.progress import RunProgress
+from megatron_dapo.loop.rollout_schedule import RolloutSchedule
+from megatron_dapo.loop.weight_publisher import WeightPublisher
+from megatron_dapo.metrics_log import MetricsLogger
+from megatron_dapo.rank_heartbeat import RankHeartbeat
+from megatron_dapo.rollout.logprob_check import check_servers
+from megatron_dapo.rollout.server_key import share_server_key
+from megatron_dapo.rollout_service import RolloutService
+from megatron_dapo.run_config import DapoConfig
+from megatron_dapo.runtime import Runtime, driver_value, init_runtime
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainerParts:
+    runtime: Runtime
+    heartbeat: RankHeartbeat
+    policy: Policy
+    feed: BatchFeed
+    publisher: WeightPublisher
+    schedule: RolloutSchedule
+    metrics: MetricsLogger | None  # the driver's
+    progress: RunProgress
+    checkpoint_root: Path
+
+
+def build_parts(cfg: DapoConfig) -> TrainerParts:
+    from megatron.core import parallel_state
+
+    writer_helper = start_writer_helper()  # it starts beside the setup below, not inside the first checkpoint
+    runtime = init_runtime(cfg.parallel)
+    heartbeat = RankHeartbeat.of_rank(runtime.env, cfg.parallel.heartbeat_timeout_s)
+    driver, dp_size = dist.get_rank() == 0, runtime.data_parallel
+    cfg.algorithm.check_data_parallel(dp_size)
+    hf, spec = open_hf_checkpoint(cfg.model)
+    sglang = cfg.rollout.engine == "sglang"
+    if sglang:
+        share_server_key()
+    # The rollout service's process and its servers start first: they take minutes on GPUs, beside the policy's
+    # build and load. Colocated servers start after it: they share its GPUs, and their memory was sized
+    # (rollout.server_extra_args) with the policy's allocated first.
+    starting = _start_service(cfg, dp_size) if driver and sglang and not cfg.rollout.colocate else None
+    policy = build_policy(cfg, runtime, hf, spec)
+    service = None
+    if driver and sglang:
+        service = starting or _start_service(cfg, dp_size)
+        service.wait_up()
+    elif driver:
+        service = RolloutService.in_process(cfg, policy, runtime.device, dp_size)
+    checkpoint_root = Path(cfg.train.output_dir) / "checkpoints"
+    resume = latest_checkpoint(checkpoint_root) if cfg.train.resume else None
+    extra = load_trainer_checkpoint(resume, policy.trainer) if resume is not None else None
+    progress = RunProgress(extra["step"] if extra else 0)
+    metrics = MetricsLogger.for_run(cfg, progress.steps_done if extra else None) if driver else None
+    server_urls = driver_value(service.server_urls if driver else None) if sglang else []
+    publisher = WeightPublisher.from_config(cfg, runtime, policy, server_urls, progress,
+                                            local_engine=service.engine if driver and not sglang else None)
+    feed = BatchFeed(service, publisher, dp_rank=parallel_state.get_data_parallel_rank(), dp_size=dp_size,
+                     updates_per_step=cfg.train.updates_per_step,
+                     timeout=timedelta(minutes=cfg.parallel.distributed_timeout_minutes))
+    if extra and driver:
+        feed.load_state_dict(extra["sampler"], read_driver_state(resume, "rollout_buffer") or [])
+        log.info("resumed from %s (step %d)", resume, progress.steps_done)
+    schedule = RolloutSchedule.from_config(cfg, feed, server_urls, runtime.device)
+    if extra:
+        publisher.publish()  # the servers start from the initial weights
+    if sglang and cfg.rollout.server_urls:
+        check_servers(cfg.rollout.server_urls, policy.module, spec, temperature=cfg.rollout.temperature,
+                      max_tokens_per_micro_batch=cfg.model.max_tokens_per_micro_batch, device=runtime.device)
+    writer_helper.join()
+    return TrainerParts(runtime, heartbeat, policy, feed, publisher, schedule, metrics, progress, checkpoint_root)
+
+
+def _start_service(cfg: DapoConfig, dp_size: int):
+    """Driver: the rollout service's process over SGLang servers (which it starts, unless given their URLs),
+    started, not yet up."""
+    from megatron_dapo.rollout_service_process import RolloutServiceProcess
+
+    return RolloutServiceProcess(cfg, dp_size)

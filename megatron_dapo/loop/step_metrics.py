@@ -1,0 +1,55 @@
+"""A step's time split and the metrics of its updates."""
+
+from __future__ import annotations
+
+import math
+import time
+from contextlib import contextmanager
+
+from megatron_dapo.config import LossConfig
+from megatron_dapo.ops import STAT_NAMES
+from megatron_dapo.policy.mismatch import reduce_mismatch
+
+
+class StepTimer:
+    def __init__(self, on_enter=lambda name: None):
+        self.seconds: dict[str, float] = {}
+        self.on_enter = on_enter  # told each section's name as it starts
+
+    @contextmanager
+    def __call__(self, name: str):
+        self.on_enter(name)
+        start = time.perf_counter()
+        yield
+        self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+
+
+def train_metrics(results, sums, abs_max, loss: LossConfig) -> dict[str, float]:
+    """The step's updates (`results`: policy.train_step.StepResult) and, unless loss.old_logprobs is "rollout",
+    the old policy's pass (`sums`, `abs_max`: policy.mismatch) in the metrics' terms."""
+    stats = {k: sum(r.stats[k] for r in results) for k in STAT_NAMES if k != "ratio_max"}
+    loss_tokens = max(stats["num_tokens"], 1.0)
+    out = {
+        "loss": sum(r.loss * r.stats["num_tokens"] for r in results) / loss_tokens,
+        "grad_norm": max((r.grad_norm for r in results if r.applied), default=math.nan),
+        "lr": results[-1].lr,
+        "clip_frac/low": stats["clipped_low"] / loss_tokens,
+        "clip_frac/high": stats["clipped_high"] / loss_tokens,
+        "clip_frac/dual": stats["dual_clipped"] / loss_tokens,
+        "ratio_mean": stats["ratio_sum"] / loss_tokens,
+        "ratio_max": max(r.stats["ratio_max"] for r in results),
+        "approx_kl": stats["k3_kl_sum"] / loss_tokens,
+        "loss_tokens": stats["num_tokens"],
+        "updates": len(results),
+        "updates_skipped": sum(not r.applied for r in results),
+    }
+    if loss.old_logprobs == "rollout":  # no old policy's pass: the entropy of the updates' forwards
+        out["entropy"] = sum(r.entropy_mean * r.stats["num_tokens"] for r in results) / loss_tokens
+        return out
+    m = reduce_mismatch(sums, abs_max)
+    tokens = max(m["tokens"], 1.0)
+    out.update({"entropy": m["entropy_sum"] / tokens, "mismatch/kl": m["mismatch_k3_sum"] / tokens,
+                "mismatch/abs_mean": m["mismatch_abs_sum"] / tokens, "mismatch/abs_max": m["abs_max"]})
+    if loss.tis_cap is not None:
+        out.update({"tis/weight_mean": m["tis_weight_sum"] / tokens, "tis/capped_frac": m["tis_capped"] / tokens})
+    return out
