@@ -32,7 +32,7 @@ import torch
 import torch.multiprocessing as mp
 from worker_results import result_of
 
-from megatron_dapo.runtime import free_port
+from megatron_dapo.parallel.runtime import free_port
 
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
 IMPLS = ("megatron", "sdpa")
@@ -112,7 +112,7 @@ def sdpa_kernel(module, q, k, v) -> str:
 def case(impl, tokens, heads, groups, head_dim, device, repeats, port, results):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     from megatron_dapo.config import ParallelConfig
-    from megatron_dapo.runtime import init_runtime, shutdown_runtime
+    from megatron_dapo.parallel.runtime import init_runtime, shutdown_runtime
 
     runtime = init_runtime(ParallelConfig(device=device))
     dtype = torch.bfloat16 if device == "cuda" else torch.float32

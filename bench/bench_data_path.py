@@ -32,8 +32,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from megatron_dapo.rank_shares import PackedShare, deal_by_tokens
-from megatron_dapo.runtime import free_port
+from megatron_dapo.parallel.rank_shares import PackedShare, deal_by_tokens
+from megatron_dapo.parallel.runtime import free_port
 from megatron_dapo.samples import TrainItem
 
 
@@ -56,7 +56,7 @@ def make_batch(groups: int, group: int, mean_len: int, max_len: int = 20480) -> 
 
 
 def _rank(rank: int, world: int, port: int, args, queue) -> None:
-    from megatron_dapo.share_scatter import ShareScatter
+    from megatron_dapo.parallel.share_scatter import ShareScatter
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)

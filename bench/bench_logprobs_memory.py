@@ -30,8 +30,8 @@ import torch.multiprocessing as mp
 
 from worker_results import result_of
 
+from megatron_dapo.parallel.runtime import free_port
 from megatron_dapo.policy.logprobs import vocab_parallel_logprobs
-from megatron_dapo.runtime import free_port
 
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
 NAIVE_FULL_COPIES = 5.0  # fp32 [tokens, vocab] buffers the naive path holds at its peak, for the fit check
@@ -111,7 +111,7 @@ def measure(fn, logits, targets, vocab, tp_rank, group, device):
 def worker(rank, world, port, tokens, vocab, device, results):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     from megatron_dapo.config import ParallelConfig
-    from megatron_dapo.runtime import init_runtime, shutdown_runtime
+    from megatron_dapo.parallel.runtime import init_runtime, shutdown_runtime
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     runtime = init_runtime(ParallelConfig(tensor_parallel=world, device=device))

@@ -79,10 +79,10 @@ def bench_local(model_dir: Path, cases, prompts, threads: int) -> list[tuple[int
     from megatron_dapo.checkpoint.hf_weights import load_hf_weights
     from megatron_dapo.checkpoint.safetensors_io import HFCheckpoint
     from megatron_dapo.config import ParallelConfig
+    from megatron_dapo.parallel.runtime import free_port, init_runtime, shutdown_runtime
     from megatron_dapo.policy.hf_config import model_spec_from_hf
     from megatron_dapo.policy.model import build_model
     from megatron_dapo.rollout.local_engine import LocalEngine, hf_eos_token_ids
-    from megatron_dapo.runtime import free_port, init_runtime, shutdown_runtime
 
     torch.set_num_threads(threads)
     parallel = ParallelConfig(device="cpu")

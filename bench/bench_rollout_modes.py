@@ -41,8 +41,8 @@ from megatron_dapo.data.prompt_file import write_rows
 from megatron_dapo.data.synthetic_math import generate_rows
 from megatron_dapo.demo.tiny_model import make_tiny_model
 from megatron_dapo.demo.warm_start import supervised_warm_start
+from megatron_dapo.parallel.runtime import free_port
 from megatron_dapo.rollout.sglang_server import SGLangServer, SGLangServerConfig, post_json
-from megatron_dapo.runtime import free_port
 
 SERVER_CORE, TRAINER_CORE = 0, 1
 MODES = ("sync", "one_step_off", "async")

@@ -72,8 +72,8 @@ def run_ours(out: Path, seed: int, steps: int, final: Path) -> dict:
 
     from megatron_dapo.checkpoint.hf_export import export_hf_checkpoint
     from megatron_dapo.demo import dapo_config
+    from megatron_dapo.parallel.runtime import free_port
     from megatron_dapo.run_config import load_config
-    from megatron_dapo.runtime import free_port
     from megatron_dapo.trainer import DapoTrainer
 
     data = dapo_config(out, out / "warm", final.parent / "run", seed)

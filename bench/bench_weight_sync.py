@@ -29,10 +29,10 @@ from tiny_models import save_with_tokenizer  # noqa: E402
 from megatron_dapo.checkpoint.hf_weights import load_hf_weights  # noqa: E402
 from megatron_dapo.checkpoint.safetensors_io import HFCheckpoint  # noqa: E402
 from megatron_dapo.config import ParallelConfig  # noqa: E402
+from megatron_dapo.parallel.runtime import free_port, init_runtime, shutdown_runtime  # noqa: E402
 from megatron_dapo.policy.hf_config import model_spec_from_hf  # noqa: E402
 from megatron_dapo.policy.model import build_model  # noqa: E402
 from megatron_dapo.rollout.sglang_server import SGLangServer, SGLangServerConfig  # noqa: E402
-from megatron_dapo.runtime import free_port, init_runtime, shutdown_runtime  # noqa: E402
 from megatron_dapo.weight_sync import ROUTES, make_weight_syncer  # noqa: E402
 from megatron_dapo.weight_sync.buckets import model_bytes  # noqa: E402
 

@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from megatron_dapo.run_logging import setup_run_logging
+from megatron_dapo.observability.run_logging import setup_run_logging
 
 log = logging.getLogger("megatron_dapo.cli")  # not __name__: "__main__" under python -m would not count as ours
 VERBOSE_HELP = ("print every library's log records and warnings too (by default they go only to {log}; "
@@ -45,8 +45,8 @@ def main(argv: list[str] | None = None) -> int:
         return convert_module.run(args)
     if args.command == "train":
         from megatron_dapo.config import ConfigError
+        from megatron_dapo.parallel.runtime import launch_env
         from megatron_dapo.run_config import load_config
-        from megatron_dapo.runtime import launch_env
         from megatron_dapo.trainer import run_training
 
         try:

@@ -45,7 +45,7 @@ class ParallelConfig:
     # global rank 0 does alone meanwhile (a checkpoint write, the disk weight sync); `megatron-dapo preflight`
     # estimates that.
     distributed_timeout_minutes: int = 30
-    # Seconds a trainer rank may go without beating (rank_heartbeat.py: a thread of its own, whatever its main
+    # Seconds a trainer rank may go without beating (parallel/rank_heartbeat.py: a thread of its own, whatever its main
     # thread waits on) before the job ends, naming it as stuck.
     heartbeat_timeout_s: float = 300.0
 

@@ -31,7 +31,7 @@ from megatron_dapo.config import (
     RolloutConfig,
     TrainConfig,
 )
-from megatron_dapo.reward import RewardConfig
+from megatron_dapo.reward.config import RewardConfig
 
 
 def _require(ok: bool, key: str, message: str) -> None:

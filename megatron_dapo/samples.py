@@ -2,7 +2,7 @@
 
 A `PromptItem` is what the rollout samples a group for, a `Sample` one response an engine returned,
 a `TrainItem` one response of the kept batch as the trainer needs it: plain Python data that says
-nothing about devices. How the batch is dealt to data-parallel ranks: rank_shares.py.
+nothing about devices. How the batch is dealt to data-parallel ranks: parallel/rank_shares.py.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 One step, as in the paper: the engine samples a group of G responses per prompt; math-verify judges each;
 rewards (+1 / -1 and the soft overlong penalty) are normalised inside the group into advantages; groups that
 are all right or all wrong are dropped and sampling goes on until the batch is full (dynamic sampling). Those
-happen in the rollout service (rollout_service.py), which global rank 0 (the driver) asks for each batch
+happen in the rollout service (service/rollout_service.py), which global rank 0 (the driver) asks for each batch
 (loop/batch_feed.py hands each rank its data-parallel share). Here: the policy recomputes the old log-probs; the
 batch is cut into mini-batches, each one optimizer step of the fused clipped token-level loss; the new weights go
 to the inference engine (loop/weight_publisher.py). When the rollout runs beside training (rollout.mode
@@ -25,9 +25,9 @@ from megatron_dapo.checkpoint.trainer_checkpoint import save_trainer_checkpoint
 from megatron_dapo.loop.build import build_parts
 from megatron_dapo.loop.step_metrics import StepTimer, train_metrics
 from megatron_dapo.loop.step_watch import BadStepWatch, UpdateCutter
+from megatron_dapo.parallel.runtime import driver_value, shutdown_runtime
 from megatron_dapo.policy.rollout_samples import training_samples
 from megatron_dapo.run_config import DapoConfig
-from megatron_dapo.runtime import driver_value, shutdown_runtime
 
 log = logging.getLogger(__name__)
 

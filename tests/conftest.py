@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 from filelock import FileLock
 
-# The whole suite runs in the device-faithful CPU mode (megatron_dapo/device_faithful.py): a host/device
+# The whole suite runs in the device-faithful CPU mode (megatron_dapo/parallel/device_faithful.py): a host/device
 # mix-up fails here as it would on a GPU. Subprocesses (torchrun workers, trainer runs) inherit it.
 os.environ.setdefault("MEGATRON_DAPO_DEVICE_FAITHFUL", "1")
 

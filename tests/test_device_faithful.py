@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_dapo.cpu_compat import CpuCompat
-from megatron_dapo.device_faithful import DeviceMixError
-from megatron_dapo.runtime import free_port
+from megatron_dapo.parallel.cpu_compat import CpuCompat
+from megatron_dapo.parallel.device_faithful import DeviceMixError
+from megatron_dapo.parallel.runtime import free_port
 
 
 @pytest.fixture
@@ -101,7 +101,7 @@ def test_collectives_of_nccl_groups_refuse_host_tensors(world):
 
 
 def test_off_unless_asked(monkeypatch):
-    from megatron_dapo import cpu_compat
+    from megatron_dapo.parallel import cpu_compat
 
     monkeypatch.delenv("MEGATRON_DAPO_DEVICE_FAITHFUL", raising=False)
     cpu_compat.activate()

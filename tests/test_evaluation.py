@@ -3,9 +3,9 @@
 import pytest
 
 from megatron_dapo.config import ConfigError, EvalConfig
-from megatron_dapo.evaluation import eval_params, evaluate
 from megatron_dapo.reward import Verdict
 from megatron_dapo.samples import Sample
+from megatron_dapo.service.evaluation import eval_params, evaluate
 
 
 class ScriptedEngine:

@@ -1,7 +1,7 @@
-"""Trainer ranks beat (rank_heartbeat.py): a stopped rank, or a stopped store host, is named within the heartbeat
-timeout, and the rank that sees it ends the job; ranks that end normally raise no alarm. Real processes, real
-SIGSTOP. A trainer rank stopped in a whole run at TP=2 (named, the job ended, no process left) is the stopped run
-of test_trainer_loop.py's TP=2 resume test."""
+"""Trainer ranks beat (parallel/rank_heartbeat.py): a stopped rank, or a stopped store host, is named within the
+heartbeat timeout, and the rank that sees it ends the job; ranks that end normally raise no alarm. Real processes,
+real SIGSTOP. A trainer rank stopped in a whole run at TP=2 (named, the job ended, no process left) is the stopped
+run of test_trainer_loop.py's TP=2 resume test."""
 
 import os
 import subprocess
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_dapo.rank_heartbeat import STUCK_EXIT_CODE
-from megatron_dapo.runtime import free_port
+from megatron_dapo.parallel.rank_heartbeat import STUCK_EXIT_CODE
+from megatron_dapo.parallel.runtime import free_port
 
 WORKER = Path(__file__).parent / "distributed" / "heartbeat_worker.py"
 
@@ -66,7 +66,7 @@ def test_ranks_that_end_raise_no_alarm():
 
 def test_a_main_thread_past_its_deadline_ends_the_run_naming_what_it_was_doing():
     """A job of one rank has no beats to watch, but its main thread's deadlines hold all the same."""
-    code = ("import time; from megatron_dapo.rank_heartbeat import RankHeartbeat; "
+    code = ("import time; from megatron_dapo.parallel.rank_heartbeat import RankHeartbeat; "
             "h = RankHeartbeat(0, 1, 'node-a', None, 0, 5.0); "
             "h.set_doing('writing the checkpoint of step 3 in /ckpt', 1.0, 'train.checkpoint_timeout_s'); "
             "time.sleep(60)")

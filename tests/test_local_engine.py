@@ -22,9 +22,9 @@ PROMPT_LENGTHS = (3, 11, 6, 1, 17)
 def policy():
     """(megatron stage, its spec, runtime, the transformers model with the same weights)."""
     from megatron_dapo.checkpoint.hf_weights import load_hf_weights
+    from megatron_dapo.parallel.runtime import free_port, init_runtime, shutdown_runtime
     from megatron_dapo.policy.hf_config import model_spec_from_hf
     from megatron_dapo.policy.model import build_model
-    from megatron_dapo.runtime import free_port, init_runtime, shutdown_runtime
 
     parallel = ParallelConfig(device="cpu")
     env = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from megatron_dapo import metrics_log
-from megatron_dapo.metrics_log import MetricsLogger, read_metrics
+from megatron_dapo.observability import metrics_log
+from megatron_dapo.observability.metrics_log import MetricsLogger, read_metrics
 
 TOOLS = Path(__file__).resolve().parents[1] / "tools"
-from megatron_dapo.metrics_plot import panels, plot_metrics  # noqa: E402
+from megatron_dapo.observability.metrics_plot import panels, plot_metrics  # noqa: E402
 
 
 def lines(run):

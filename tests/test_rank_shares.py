@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from torchrun_launch import torchrun
 
-from megatron_dapo.rank_shares import PackedShare, deal_by_tokens
+from megatron_dapo.parallel.rank_shares import PackedShare, deal_by_tokens
 from megatron_dapo.samples import TrainItem
 
 sys.path.insert(0, str(Path(__file__).parent / "distributed"))
@@ -81,7 +81,7 @@ def test_a_packed_batch_unpacks_to_the_same_items_and_survives_a_checkpoint_file
     (loaded with weights_only) and comes back bitwise: the engine's log-probs are float64 like Python's floats."""
     import torch
 
-    from megatron_dapo.rollout_service import ReadyBatch
+    from megatron_dapo.service.rollout_service import ReadyBatch
 
     items = [TrainItem([5, 6], [7, 8, 9], [-0.1, -1 / 3, -2.5e-7], 1 / 7, True),
              TrainItem([5, 6, 1], [4], [-0.7], -0.25, False)]

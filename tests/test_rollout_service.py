@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from megatron_dapo.rollout_service import READY, RESYNC, JobRunner
+from megatron_dapo.service.rollout_service import READY, RESYNC, JobRunner
 
 
 def test_a_restart_during_a_job_waits_for_the_main_threads_resync():
@@ -119,7 +119,7 @@ def service_config(tmp_path_factory):
 
 
 def test_the_service_process_reports_its_servers_and_its_data_position(service_config):
-    from megatron_dapo.rollout_service_process import RolloutServiceProcess
+    from megatron_dapo.service.rollout_service_process import RolloutServiceProcess
 
     service = RolloutServiceProcess(service_config(), dp_size=1)
     try:
@@ -144,7 +144,7 @@ def test_a_service_that_cannot_start_or_dies_is_named_not_waited_for(service_con
     import os
     import signal
 
-    from megatron_dapo.rollout_service_process import RolloutServiceError, RolloutServiceProcess
+    from megatron_dapo.service.rollout_service_process import RolloutServiceError, RolloutServiceProcess
 
     with pytest.raises(RolloutServiceError, match="did not start: .*missing.jsonl"):
         RolloutServiceProcess(service_config(train_path=str(tmp_path / "missing.jsonl")), dp_size=1).wait_up()
@@ -163,7 +163,7 @@ def test_a_stopped_service_process_is_named_within_the_heartbeat_timeout(service
     import signal
     import time
 
-    from megatron_dapo.rollout_service_process import RolloutServiceError, RolloutServiceProcess
+    from megatron_dapo.service.rollout_service_process import RolloutServiceError, RolloutServiceProcess
 
     service = RolloutServiceProcess(service_config(parallel={"heartbeat_timeout_s": 2.0}), dp_size=1)
     try:
@@ -183,7 +183,7 @@ def test_a_stopped_service_process_is_named_within_the_heartbeat_timeout(service
 def test_a_job_past_its_deadline_fails_the_run_naming_it(service_config):
     """Nothing listens at the server's URL: the engine waits for it to come back (rollout.server_urls servers are
     not ours to restart), far longer than the job may take."""
-    from megatron_dapo.rollout_service_process import RolloutServiceError, RolloutServiceProcess
+    from megatron_dapo.service.rollout_service_process import RolloutServiceError, RolloutServiceProcess
 
     cfg = service_config(rollout={"request_timeout_s": 1.0, "job_timeout_s": 3.0}, chat_template=False)
     service = RolloutServiceProcess(cfg, dp_size=1)
@@ -202,7 +202,7 @@ def test_a_job_past_its_deadline_fails_the_run_naming_it(service_config):
 @pytest.mark.parametrize("when", ["up", "starting"])
 def test_the_service_process_stops_when_the_driver_is_gone(service_config, when):
     """Up, or still starting (the driver fails while it builds the policy beside the service's start-up)."""
-    from megatron_dapo.rollout_service_process import RolloutServiceProcess
+    from megatron_dapo.service.rollout_service_process import RolloutServiceProcess
 
     service = RolloutServiceProcess(service_config(), dp_size=1)
     if when == "up":

@@ -147,7 +147,7 @@ CPU = ["parallel.device=cpu", "rollout.server_device=cpu"]
     ([*CPU, "model.dtype=bfloat16"], "0", "bfloat16"),
 ])
 def test_servers_sample_at_the_policys_training_dtype(overrides, faithful, dtype, monkeypatch):
-    from megatron_dapo.device_faithful import ENV
+    from megatron_dapo.parallel.device_faithful import ENV
     from megatron_dapo.rollout.from_config import server_config
 
     monkeypatch.setenv(ENV, faithful)

@@ -10,7 +10,7 @@ import warnings
 import pytest
 import torch  # noqa: F401  (its import gives its loggers their own stderr handlers, which setup must route)
 
-from megatron_dapo.run_logging import log_file_path, setup_run_logging
+from megatron_dapo.observability.run_logging import log_file_path, setup_run_logging
 
 
 @pytest.fixture

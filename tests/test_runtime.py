@@ -6,9 +6,9 @@ import socket
 import pytest
 import torch
 
-from megatron_dapo import cpu_compat
 from megatron_dapo.config import ConfigError
-from megatron_dapo.runtime import PORT_FLOOR, free_port, launch_env
+from megatron_dapo.parallel import cpu_compat
+from megatron_dapo.parallel.runtime import PORT_FLOOR, free_port, launch_env
 
 
 def test_torchrun_environment():

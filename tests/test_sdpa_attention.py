@@ -26,7 +26,7 @@ TOL = 1e-5
 
 @pytest.fixture(scope="module")
 def runtime():
-    from megatron_dapo.runtime import free_port, init_runtime, shutdown_runtime
+    from megatron_dapo.parallel.runtime import free_port, init_runtime, shutdown_runtime
 
     env = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     yield init_runtime(ParallelConfig(device="cpu"), environ=env)

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from megatron_dapo.algorithm.empty_step_watch import EMPTY_STEPS_TO_WARN
+from megatron_dapo.parallel.runtime import free_port
 from megatron_dapo.run_config import load_config
-from megatron_dapo.runtime import free_port
 
 pytestmark = pytest.mark.slow
 CONFIG = Path(__file__).resolve().parent.parent / "launch" / "configs" / "tiny-cpu.yaml"

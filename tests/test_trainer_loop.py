@@ -24,7 +24,7 @@ import yaml
 from wandb_records import history, run_config
 
 from megatron_dapo.checkpoint.trainer_checkpoint import latest_checkpoint
-from megatron_dapo.runtime import free_port
+from megatron_dapo.parallel.runtime import free_port
 
 pytestmark = pytest.mark.slow
 TIMING = ("time/", "tokens_per_s")
@@ -243,7 +243,7 @@ def test_sglang_tp2_one_step_off_a_stopped_rank_ends_the_run_naming_it_and_the_r
 
 def test_fewer_updates_than_updates_per_step_are_said_once_with_the_numbers(caplog):
     from megatron_dapo.loop.step_watch import UpdateCutter
-    from megatron_dapo.rank_shares import PackedShare, deal_by_tokens
+    from megatron_dapo.parallel.rank_shares import PackedShare, deal_by_tokens
     from megatron_dapo.samples import TrainItem
 
     def cut(n):  # a one-rank share of n responses, cut as the trainer cuts it

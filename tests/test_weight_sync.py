@@ -114,8 +114,8 @@ def test_the_tensor_route_takes_servers_that_load_through_our_loader_and_refuses
     """Our servers load the tensor route's buckets through server_weight_loader, whose answer means the bucket was
     read (SGLang answers before its copies out of the shared buffer have run); one started without it is refused
     by name, before anything is pushed."""
+    from megatron_dapo.parallel.runtime import free_port
     from megatron_dapo.rollout.server_weight_loader import LOADER
-    from megatron_dapo.runtime import free_port
     from megatron_dapo.weight_sync import tensor
 
     srv, _ = server
@@ -369,7 +369,7 @@ def test_a_dropped_weight_group_releases_the_servers_left_in_its_broadcast(tmp_p
     third bucket once it has seen rank 1 gone (CI saw a third bucket reach rank 2 before failing on rank 1)."""
     import datetime
 
-    from megatron_dapo.runtime import free_port
+    from megatron_dapo.parallel.runtime import free_port
     from megatron_dapo.weight_sync import distributed
 
     port, name = free_port(), "weight_group_drop_test"

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_dapo.runtime import free_port
+from megatron_dapo.parallel.runtime import free_port
 
 WORKERS = Path(__file__).parent / "distributed"
 

@@ -10,7 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from megatron_dapo.metrics_plot import plot_metrics
+from megatron_dapo.observability.metrics_plot import plot_metrics
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,11 +11,11 @@ import torch
 from megatron_dapo.checkpoint.hf_weights import load_hf_weights, load_policy_weights
 from megatron_dapo.checkpoint.safetensors_io import HFCheckpoint
 from megatron_dapo.config import ModelConfig
+from megatron_dapo.parallel.runtime import Runtime, builds_for_gpu
 from megatron_dapo.policy.hf_config import ModelSpec, model_spec_from_hf
 from megatron_dapo.policy.model import build_model
 from megatron_dapo.policy.train_step import PolicyTrainer
 from megatron_dapo.run_config import DapoConfig
-from megatron_dapo.runtime import Runtime, builds_for_gpu
 
 
 @dataclass

@@ -70,8 +70,8 @@ def dapo_config(out: Path, model: Path, output_dir: Path, seed: int) -> dict:
 
 def run_demo(output_dir: str = "runs/demo", seed: int = 0, log_file: Path | None = None) -> int:
     """Run the demo in `output_dir`; `log_file`: where the entry point sends the full log (named in the report)."""
+    from megatron_dapo.parallel.runtime import free_port
     from megatron_dapo.run_config import load_config
-    from megatron_dapo.runtime import free_port
     from megatron_dapo.trainer import DapoTrainer
 
     out = Path(output_dir)
@@ -109,7 +109,7 @@ def run_demo(output_dir: str = "runs/demo", seed: int = 0, log_file: Path | None
 
 def _report(out: Path, cfg, before: dict, after: dict, last: dict, times: dict, wall: float,
             log_file: Path | None = None) -> int:
-    from megatron_dapo.metrics_plot import plot_metrics
+    from megatron_dapo.observability.metrics_plot import plot_metrics
 
     png = plot_metrics(out / "dapo" / "metrics.jsonl", out / "dapo_curves.png")
     k, steps = cfg.eval.samples_per_prompt, cfg.train.steps

@@ -1,9 +1,9 @@
 """Every trainer rank's side of the rollout service. Global rank 0 (the driver) asks the service
-(rollout_service.py: in a process of its own over SGLang, or inline over the in-process engine) for each step's
-batch and hands each rank its data-parallel share (share_scatter.py); the other ranks wait for the driver's word
-outside any collective (runtime.DriverSignal: a paper-scale rollout outlasts any collective's watchdog). A server
-restarted while the service waits on it gets the weights from the publisher: from every rank, or, with the disk
-route, from the driver alone."""
+(service/rollout_service.py: in a process of its own over SGLang, or inline over the in-process engine) for each
+step's batch and hands each rank its data-parallel share (parallel/share_scatter.py); the other ranks wait for the
+driver's word outside any collective (runtime.DriverSignal: a paper-scale rollout outlasts any collective's
+watchdog). A server restarted while the service waits on it gets the weights from the publisher: from every rank,
+or, with the disk route, from the driver alone."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from megatron_dapo.rank_shares import PackedShare, deal_by_tokens
-from megatron_dapo.rollout_service import RESYNC, ReadyBatch
-from megatron_dapo.runtime import DriverSignal
-from megatron_dapo.share_scatter import ShareScatter
+from megatron_dapo.parallel.rank_shares import PackedShare, deal_by_tokens
+from megatron_dapo.parallel.runtime import DriverSignal
+from megatron_dapo.parallel.share_scatter import ShareScatter
+from megatron_dapo.service.rollout_service import RESYNC, ReadyBatch
 
 
 class BatchFeed:

@@ -19,13 +19,13 @@ from megatron_dapo.loop.batch_feed import BatchFeed
 from megatron_dapo.loop.progress import RunProgress
 from megatron_dapo.loop.rollout_schedule import RolloutSchedule
 from megatron_dapo.loop.weight_publisher import WeightPublisher
-from megatron_dapo.metrics_log import MetricsLogger
-from megatron_dapo.rank_heartbeat import RankHeartbeat
+from megatron_dapo.observability.metrics_log import MetricsLogger
+from megatron_dapo.parallel.rank_heartbeat import RankHeartbeat
+from megatron_dapo.parallel.runtime import Runtime, driver_value, init_runtime
 from megatron_dapo.rollout.logprob_check import check_servers
 from megatron_dapo.rollout.server_key import share_server_key
-from megatron_dapo.rollout_service import RolloutService
 from megatron_dapo.run_config import DapoConfig
-from megatron_dapo.runtime import Runtime, driver_value, init_runtime
+from megatron_dapo.service.rollout_service import RolloutService
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +93,6 @@ def build_parts(cfg: DapoConfig) -> TrainerParts:
 def _start_service(cfg: DapoConfig, dp_size: int):
     """Driver: the rollout service's process over SGLang servers (which it starts, unless given their URLs),
     started, not yet up."""
-    from megatron_dapo.rollout_service_process import RolloutServiceProcess
+    from megatron_dapo.service.rollout_service_process import RolloutServiceProcess
 
     return RolloutServiceProcess(cfg, dp_size)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 
-from megatron_dapo.rank_shares import PackedShare
+from megatron_dapo.parallel.rank_shares import PackedShare
 
 log = logging.getLogger(__name__)
 

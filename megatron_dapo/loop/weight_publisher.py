@@ -12,8 +12,8 @@ import torch.distributed as dist
 
 from megatron_dapo.checkpoint.policy_from_hf import Policy
 from megatron_dapo.loop.progress import RunProgress
+from megatron_dapo.parallel.runtime import Runtime
 from megatron_dapo.run_config import DapoConfig
-from megatron_dapo.runtime import Runtime
 from megatron_dapo.weight_sync import make_weight_syncer
 from megatron_dapo.weight_sync.disk import DiskSyncer
 from megatron_dapo.weight_sync.server_calls import call_all, generation_paused

@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 
 from megatron_dapo.config import ConfigError, ParallelConfig, default_training_dtype
+from megatron_dapo.parallel.runtime import builds_for_gpu, tensors_on_gpu
 from megatron_dapo.policy.hf_config import ModelSpec
-from megatron_dapo.runtime import builds_for_gpu, tensors_on_gpu
 
 VOCAB_DIVISIBLE_BY = 128  # Megatron's default padding unit, times the TP size
 

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import torch
 
+from megatron_dapo.parallel.rank_shares import PackedShare
 from megatron_dapo.policy.batch import Sequence
 from megatron_dapo.policy.forward import response_logprobs, to_every_stage
 from megatron_dapo.policy.mismatch import MISMATCH_KEYS, mismatch_sums, tis_weights
 from megatron_dapo.policy.train_step import RolloutSample
-from megatron_dapo.rank_shares import PackedShare
 
 
 def _flat_logprobs(model, seqs: list[Sequence], numel: int, device: torch.device, **kwargs):

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from megatron_dapo.parallel.runtime import builds_for_gpu
 from megatron_dapo.rollout.sglang_engine import SGLangEngine
 from megatron_dapo.rollout.sglang_server import SGLangServerConfig
 from megatron_dapo.run_config import DapoConfig
-from megatron_dapo.runtime import builds_for_gpu
 
 
 def server_config(cfg: DapoConfig, *, host: str = "127.0.0.1", port: int | None = None,

@@ -41,7 +41,7 @@ def share_server_key() -> None:
     environment, where the servers the run starts and every call to them take it from."""
     import torch.distributed as dist  # here: the servers' launcher below stays light
 
-    from megatron_dapo.runtime import driver_value
+    from megatron_dapo.parallel.runtime import driver_value
 
     os.environ[SERVER_KEY_ENV] = driver_value(ensure_server_key() if dist.get_rank() == 0 else None)
 

@@ -20,9 +20,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from megatron_dapo.parallel.runtime import free_port
 from megatron_dapo.rollout.server_key import auth_headers, keyed_command
 from megatron_dapo.rollout.server_weight_loader import LOADER
-from megatron_dapo.runtime import free_port
 
 CPU_SHIM = Path(__file__).parent / "cpu_shim"
 # --sleep-on-idle: an idle scheduler waits on its sockets instead of spinning, which took a whole core (measured:

@@ -25,10 +25,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_dapo.config import ConfigError
+from megatron_dapo.parallel.runtime import free_port
 from megatron_dapo.rollout.server_key import ensure_server_key
 from megatron_dapo.rollout.sglang_server import health_ok
 from megatron_dapo.run_config import load_config
-from megatron_dapo.runtime import free_port
 from megatron_dapo.slurm.allocation import AllocationError, Node, colocate_nodes, job_nodes, split_nodes
 
 POLL_S = 0.5

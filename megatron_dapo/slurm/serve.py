@@ -16,10 +16,10 @@ import time
 from pathlib import Path
 
 from megatron_dapo.config import ConfigError
+from megatron_dapo.parallel.runtime import free_port
 from megatron_dapo.rollout.from_config import server_config
 from megatron_dapo.rollout.sglang_server import ServerError, SGLangServer
 from megatron_dapo.run_config import load_config
-from megatron_dapo.runtime import free_port
 
 
 def main(argv: list[str] | None = None) -> int:

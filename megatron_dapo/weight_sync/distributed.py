@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_dapo.config import ParallelConfig
+from megatron_dapo.parallel.runtime import free_port
 from megatron_dapo.policy.hf_config import ModelSpec
-from megatron_dapo.runtime import free_port
 from megatron_dapo.weight_sync.buckets import iter_hf_buckets
 from megatron_dapo.weight_sync.metrics import SyncMetrics
 from megatron_dapo.weight_sync.server_calls import WeightUpdateError, call_all, call_each, push_buckets, server_info

@@ -34,9 +34,9 @@ from megatron_dapo.checkpoint.trainer_checkpoint import (
     save_trainer_checkpoint,
 )
 from megatron_dapo.config import ParallelConfig
+from megatron_dapo.parallel.runtime import init_runtime, shutdown_runtime
 from megatron_dapo.policy.hf_config import model_spec_from_hf
 from megatron_dapo.policy.train_step import LossConfig, OptimConfig, PolicyTrainer
-from megatron_dapo.runtime import init_runtime, shutdown_runtime
 
 
 def disk_full(out_dir: str, path) -> OSError:

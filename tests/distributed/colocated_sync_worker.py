@@ -21,10 +21,10 @@ from megatron_dapo.checkpoint.hf_export import iter_hf_tensors
 from megatron_dapo.checkpoint.hf_weights import load_policy_weights
 from megatron_dapo.checkpoint.safetensors_io import HFCheckpoint
 from megatron_dapo.config import ParallelConfig
+from megatron_dapo.parallel.runtime import init_runtime, shutdown_runtime
 from megatron_dapo.policy.hf_config import model_spec_from_hf
 from megatron_dapo.policy.train_step import LossConfig, OptimConfig, PolicyTrainer, RolloutSample
 from megatron_dapo.rollout.server_memory import ServerMemory
-from megatron_dapo.runtime import init_runtime, shutdown_runtime
 from megatron_dapo.weight_sync import make_weight_syncer
 from weight_sync_worker import parity, reset_server, sample, versions
 

@@ -7,7 +7,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from megatron_dapo.runtime import DriverSignal
+from megatron_dapo.parallel.runtime import DriverSignal
 
 TIMEOUT_S, WORK_S = 2.0, 5.0
 

@@ -12,7 +12,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from megatron_dapo.rank_heartbeat import RankHeartbeat
+from megatron_dapo.parallel.rank_heartbeat import RankHeartbeat
 
 scenario = sys.argv[1]
 rank, world, port = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["MASTER_PORT"])

@@ -9,10 +9,10 @@ import torch.distributed as dist
 from tiny_models import PARITY_DTYPE, hf_model
 
 from megatron_dapo.config import ConfigError, ParallelConfig
+from megatron_dapo.parallel.runtime import init_runtime, shutdown_runtime
 from megatron_dapo.policy.hf_config import model_spec_from_hf
 from megatron_dapo.policy.model import build_model
 from megatron_dapo.rollout.local_engine import LocalEngine
-from megatron_dapo.runtime import init_runtime, shutdown_runtime
 
 
 def main(out_txt):

@@ -14,12 +14,12 @@ from tiny_models import PARITY_DTYPE
 from megatron_dapo.checkpoint.hf_weights import load_hf_weights
 from megatron_dapo.checkpoint.safetensors_io import HFCheckpoint
 from megatron_dapo.config import ConfigError, ParallelConfig
+from megatron_dapo.parallel.runtime import init_runtime, shutdown_runtime
 from megatron_dapo.policy.forward import logprob_recomputer
 from megatron_dapo.policy.hf_config import model_spec_from_hf
 from megatron_dapo.policy.model import build_model
 from megatron_dapo.rollout.logprob_check import check_engine_logprobs
 from megatron_dapo.rollout.sglang_engine import SGLangEngine
-from megatron_dapo.runtime import init_runtime, shutdown_runtime
 
 
 def main(out_json, model_dir, tp, pp, *cases):

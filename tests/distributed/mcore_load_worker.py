@@ -12,10 +12,10 @@ from tiny_models import hf_model, hf_response_logprobs, sequences
 
 from megatron_dapo.checkpoint.mcore_checkpoint import load_model, read_meta
 from megatron_dapo.config import ParallelConfig
+from megatron_dapo.parallel.runtime import init_runtime, reset_parallel_layout, shutdown_runtime
 from megatron_dapo.policy.forward import response_logprobs
 from megatron_dapo.policy.hf_config import model_spec_from_hf
 from megatron_dapo.policy.model import build_model
-from megatron_dapo.runtime import init_runtime, reset_parallel_layout, shutdown_runtime
 
 
 def check(kind: str, mcore_dir: str) -> dict:

@@ -11,9 +11,9 @@ from megatron_dapo.checkpoint.hf_weights import load_hf_weights
 from megatron_dapo.checkpoint.mcore_checkpoint import save_model
 from megatron_dapo.checkpoint.safetensors_io import HFCheckpoint
 from megatron_dapo.config import ParallelConfig
+from megatron_dapo.parallel.runtime import init_runtime, shutdown_runtime
 from megatron_dapo.policy.hf_config import model_spec_from_hf
 from megatron_dapo.policy.model import build_model
-from megatron_dapo.runtime import init_runtime, shutdown_runtime
 
 
 def main(tp, pp, *pairs):

@@ -15,12 +15,12 @@ from tiny_models import PARITY_DTYPE, hf_model, hf_response_logprobs, sequences
 
 from megatron_dapo.checkpoint.hf_weights import load_hf_weights
 from megatron_dapo.config import ParallelConfig
+from megatron_dapo.parallel.rank_shares import PackedShare
+from megatron_dapo.parallel.runtime import init_runtime, reset_parallel_layout, shutdown_runtime
 from megatron_dapo.policy.hf_config import model_spec_from_hf
 from megatron_dapo.policy.mismatch import reduce_mismatch
 from megatron_dapo.policy.model import build_model
 from megatron_dapo.policy.rollout_samples import training_samples
-from megatron_dapo.runtime import init_runtime, reset_parallel_layout, shutdown_runtime
-from megatron_dapo.rank_shares import PackedShare
 from megatron_dapo.samples import TrainItem
 
 TIS_CAP = 1.05

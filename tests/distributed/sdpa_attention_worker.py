@@ -124,7 +124,7 @@ def main(out_dir: str) -> None:
     from megatron.core import parallel_state
 
     from megatron_dapo.config import ParallelConfig
-    from megatron_dapo.runtime import init_runtime, shutdown_runtime
+    from megatron_dapo.parallel.runtime import init_runtime, shutdown_runtime
 
     tp = int(os.environ["WORLD_SIZE"])
     parallel = ParallelConfig(tensor_parallel=tp, device="cpu")

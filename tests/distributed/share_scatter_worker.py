@@ -9,10 +9,10 @@ import sys
 import torch
 import torch.distributed as dist
 
-from megatron_dapo import cpu_compat
-from megatron_dapo.rank_shares import PackedShare, deal_by_tokens
+from megatron_dapo.parallel import cpu_compat
+from megatron_dapo.parallel.rank_shares import PackedShare, deal_by_tokens
+from megatron_dapo.parallel.share_scatter import ShareScatter
 from megatron_dapo.samples import TrainItem
-from megatron_dapo.share_scatter import ShareScatter
 
 DP, UPDATES = 2, 3
 

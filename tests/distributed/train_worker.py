@@ -19,10 +19,10 @@ from tiny_models import PARITY_DTYPE, hf_model, hf_response_logprobs, sequences
 from megatron_dapo.checkpoint.hf_mapping import hf_tensors, tp_dim
 from megatron_dapo.checkpoint.hf_weights import global_name, layer_offset, load_policy_weights
 from megatron_dapo.config import ParallelConfig
+from megatron_dapo.parallel.runtime import init_runtime, reset_parallel_layout, shutdown_runtime
 from megatron_dapo.policy.batch import micro_batches
 from megatron_dapo.policy.hf_config import model_spec_from_hf
 from megatron_dapo.policy.train_step import LossConfig, OptimConfig, PolicyTrainer, RolloutSample
-from megatron_dapo.runtime import init_runtime, reset_parallel_layout, shutdown_runtime
 
 LENGTHS = ((5, 20), (3, 41), (9, 4), (2, 60), (7, 13), (4, 30), (6, 9), (3, 25))
 

@@ -32,9 +32,9 @@ from megatron_dapo.checkpoint.trainer_checkpoint import (
     save_trainer_checkpoint,
 )
 from megatron_dapo.config import ParallelConfig
+from megatron_dapo.parallel.runtime import init_runtime, reset_parallel_layout, shutdown_runtime
 from megatron_dapo.policy.hf_config import model_spec_from_hf
 from megatron_dapo.policy.train_step import LossConfig, OptimConfig, PolicyTrainer, RolloutSample
-from megatron_dapo.runtime import init_runtime, reset_parallel_layout, shutdown_runtime
 
 OPTIM = OptimConfig(lr=3e-3, warmup_steps=6, weight_decay=0.01, clip_grad=1.0)
 

@@ -30,8 +30,8 @@ from weight_sync_restart_worker import perturb, policy, wait_for
 from weight_sync_worker import parity, sample, versions
 
 from megatron_dapo.config import ParallelConfig
+from megatron_dapo.parallel.runtime import shutdown_runtime
 from megatron_dapo.rollout.sglang_server import post_json
-from megatron_dapo.runtime import shutdown_runtime
 from megatron_dapo.weight_sync import distributed, make_weight_syncer
 from megatron_dapo.weight_sync.server_calls import WeightUpdateError
 

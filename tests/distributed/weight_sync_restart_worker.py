@@ -20,9 +20,9 @@ from weight_sync_worker import parity, sample, versions
 from megatron_dapo.checkpoint.hf_weights import load_policy_weights
 from megatron_dapo.checkpoint.safetensors_io import HFCheckpoint
 from megatron_dapo.config import ParallelConfig
+from megatron_dapo.parallel.runtime import init_runtime, shutdown_runtime
 from megatron_dapo.policy.hf_config import model_spec_from_hf
 from megatron_dapo.policy.train_step import LossConfig, OptimConfig, PolicyTrainer
-from megatron_dapo.runtime import init_runtime, shutdown_runtime
 from megatron_dapo.weight_sync import make_weight_syncer
 
 

@@ -15,6 +15,7 @@ from tiny_models import PARITY_DTYPE
 from megatron_dapo.checkpoint.hf_weights import load_policy_weights
 from megatron_dapo.checkpoint.safetensors_io import HFCheckpoint
 from megatron_dapo.config import ParallelConfig
+from megatron_dapo.parallel.runtime import init_runtime, shutdown_runtime
 from megatron_dapo.policy.batch import Sequence
 from megatron_dapo.policy.forward import response_logprobs
 from megatron_dapo.policy.hf_config import model_spec_from_hf
@@ -22,7 +23,6 @@ from megatron_dapo.policy.train_step import LossConfig, OptimConfig, PolicyTrain
 from megatron_dapo.rollout.engine import SamplingParams
 from megatron_dapo.rollout.sglang_engine import SGLangEngine
 from megatron_dapo.rollout.sglang_server import post_json
-from megatron_dapo.runtime import init_runtime, shutdown_runtime
 from megatron_dapo.weight_sync import make_weight_syncer
 
 PROMPTS = [[5, 17, 40, 33], [8, 9, 10], [60, 61, 62, 63, 64], [100, 7]]

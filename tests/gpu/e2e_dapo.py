@@ -117,9 +117,9 @@ def run(device: str, dtype: str, out: Path, task: Path | None, steps: int, seed:
     import dataclasses
 
     from megatron_dapo.checkpoint.hf_export import export_hf_checkpoint
+    from megatron_dapo.parallel.runtime import free_port
     from megatron_dapo.policy.forward import response_logprobs
     from megatron_dapo.run_config import config_from_dict
-    from megatron_dapo.runtime import free_port
     from megatron_dapo.trainer import DapoTrainer
 
     times: dict[str, float] = {}

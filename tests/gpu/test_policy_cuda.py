@@ -22,7 +22,7 @@ BF16_FACTOR, BF16_FLOOR = 4.0, 0.02
 @pytest.fixture(scope="module")
 def runtime():
     from megatron_dapo.config import ParallelConfig
-    from megatron_dapo.runtime import free_port, init_runtime, shutdown_runtime
+    from megatron_dapo.parallel.runtime import free_port, init_runtime, shutdown_runtime
 
     env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(free_port())}

@@ -27,7 +27,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from megatron_dapo.runtime import LaunchEnv
+from megatron_dapo.parallel.runtime import LaunchEnv
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ tracker, `device="cuda"` factories, `Tensor.cuda()`, CUDA type names in the opti
 and only this module, maps those onto the CPU. It is switched on by the runtime for `device: cpu`
 alone, so GPU runs see stock torch and megatron-core. With `MEGATRON_DAPO_DEVICE_FAITHFUL=1` (the tests)
 it also keeps track of which tensors a GPU run would hold on the GPU and fails where the GPU would
-(`megatron_dapo.device_faithful`).
+(`megatron_dapo.parallel.device_faithful`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import time
 import torch
 from torch.overrides import TorchFunctionMode
 
-from megatron_dapo import device_faithful
+from megatron_dapo.parallel import device_faithful
 
 class _CpuDeviceMode(TorchFunctionMode):
     """Sends tensor factories and moves aimed at CUDA to the CPU, and reports CUDA type names."""

@@ -24,8 +24,8 @@ import traceback
 import weakref
 from pathlib import Path
 
-from megatron_dapo.rollout_service import READY, RESYNC, ReadyBatch
 from megatron_dapo.run_config import DapoConfig
+from megatron_dapo.service.rollout_service import READY, RESYNC, ReadyBatch
 
 log = logging.getLogger(__name__)
 
@@ -178,9 +178,9 @@ def _beat(link: _Link, interval_s: float) -> None:
 def _serve(cfg: DapoConfig, dp_size: int, conn) -> None:
     """The service process: build the service, then answer the driver's commands until told to close (or
     until the driver is gone)."""
+    from megatron_dapo.observability.run_logging import setup_run_logging
     from megatron_dapo.rollout.from_config import server_urls, sglang_engine
-    from megatron_dapo.rollout_service import RolloutService
-    from megatron_dapo.run_logging import setup_run_logging
+    from megatron_dapo.service.rollout_service import RolloutService
 
     setup_run_logging(cfg.train.output_dir, "rollout")
     conn = _Link(conn)

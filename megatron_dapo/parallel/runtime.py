@@ -1,7 +1,7 @@
 """Process-group setup: torch.distributed and megatron-core's parallel_state, from torchrun or SLURM.
 
 `device: cuda` uses NCCL with one GPU per process; `device: cpu` uses gloo and switches on the
-megatron-core CPU redirects (megatron_dapo.cpu_compat) before anything of megatron runs.
+megatron-core CPU redirects (megatron_dapo.parallel.cpu_compat) before anything of megatron runs.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_dapo import cpu_compat, device_faithful
 from megatron_dapo.config import ConfigError, ParallelConfig
+from megatron_dapo.parallel import cpu_compat, device_faithful
 
 
 PORT_FLOOR = 10000  # below it: well-known services (SLURM's 6817-6819, web servers' 8000-9999)

@@ -26,12 +26,12 @@ from megatron_dapo.algorithm import DynamicSampler
 from megatron_dapo.data.prompt_file import drop_duplicate_rows, load_prompt_rows
 from megatron_dapo.data.prompt_sampler import PromptSampler
 from megatron_dapo.data.prompt_source import PromptSource
-from megatron_dapo.evaluation import eval_params, evaluate
-from megatron_dapo.rank_shares import PackedShare
+from megatron_dapo.parallel.rank_shares import PackedShare
 from megatron_dapo.reward import RewardPool
 from megatron_dapo.rollout.engine import SamplingParams, sample_seed
 from megatron_dapo.run_config import DapoConfig
 from megatron_dapo.samples import PromptItem, TrainItem, version_number
+from megatron_dapo.service.evaluation import eval_params, evaluate
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from megatron_dapo.rank_shares import PackedShare
+from megatron_dapo.parallel.rank_shares import PackedShare
 
 _DTYPES = [torch.int32, torch.int64, torch.int64, torch.float64, torch.float64, torch.bool, torch.int64]
 

@@ -14,7 +14,7 @@ import math
 import textwrap
 from pathlib import Path
 
-from megatron_dapo.metrics_log import RESERVED, read_metrics
+from megatron_dapo.observability.metrics_log import RESERVED, read_metrics
 
 COLUMNS = 4
 
