@@ -404,3 +404,21 @@ def test_a_dropped_weight_group_releases_the_servers_left_in_its_broadcast(tmp_p
     result = json.loads((tmp_path / "rank2.json").read_text())
     assert released_s < 10 and result["waited_s"] < 10, (released_s, result)  # measured: 0.1 s
 
+
+
+def test_a_restarted_server_reloads_the_folder_the_others_serve_under_that_folders_version(monkeypatch, tmp_path):
+    """The disk route: a server restarted while the next batch is sampled (rollout.mode one_step_off, after the
+    policy has trained one step further) loads the folder the other servers serve, and its samples carry that
+    folder's version, not the policy's newer one."""
+    from megatron_dapo.loop import weight_publisher
+    from megatron_dapo.loop.progress import RunProgress
+    from megatron_dapo.weight_sync.disk import DiskSyncer
+
+    syncer = DiskSyncer(["http://127.0.0.1:1"], None, None, {}, tmp_path)
+    syncer.loaded, syncer.loaded_version = tmp_path / "weights-3", "3"
+    calls = []
+    monkeypatch.setattr(weight_publisher, "call_all", lambda *args: calls.append(args))
+    publisher = weight_publisher.WeightPublisher(syncer, ["http://127.0.0.1:1"], None, RunProgress(4), timeout_s=5)
+    assert publisher.reload("http://127.0.0.1:2")
+    assert calls == [(["http://127.0.0.1:2"], "/update_weights_from_disk",
+                      {"model_path": str(tmp_path / "weights-3"), "weight_version": "3"}, 5)]

@@ -29,7 +29,6 @@ class WeightPublisher:
                  timeout_s: float, local_engine=None):
         self.syncer, self.server_urls, self.model, self.progress = syncer, list(server_urls), model, progress
         self.timeout_s, self.local_engine = timeout_s, local_engine
-        self.driver = dist.get_rank() == 0
 
     @classmethod
     def from_config(cls, cfg: DapoConfig, runtime: Runtime, policy: Policy, server_urls: list[str],
@@ -56,7 +55,7 @@ class WeightPublisher:
             if self.local_engine is not None:
                 self.local_engine.weight_version = version
             return
-        paused = (generation_paused(self.server_urls, self.timeout_s) if live and self.driver
+        paused = (generation_paused(self.server_urls, self.timeout_s) if live and dist.get_rank() == 0
                   else nullcontext(self.server_urls))
         with paused as up:
             # A server down now is left out: the service restarts it, and the driver then resyncs it (RESYNC).
@@ -67,12 +66,13 @@ class WeightPublisher:
 
     def reload(self, url: str) -> bool:
         """Driver: the weights onto the restarted server at `url` by itself, where the route allows (disk: the
-        folder the others serve); False when every rank must push them (`publish`)."""
+        folder the others serve, under its own version, which is older than the policy's while one_step_off
+        samples the next batch); False when every rank must push them (`publish`)."""
         if not isinstance(self.syncer, DiskSyncer):
             return False
         if self.syncer.loaded is not None:
             call_all([url], "/update_weights_from_disk", {"model_path": str(self.syncer.loaded),
-                                                         "weight_version": str(self.progress.steps_done)}, self.timeout_s)
+                                                         "weight_version": self.syncer.loaded_version}, self.timeout_s)
         return True
 
     def close(self) -> None:

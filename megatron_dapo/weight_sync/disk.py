@@ -52,6 +52,7 @@ class DiskSyncer:
         self.urls, self.spec, self.parallel, self.hf_config = list(server_urls), spec, parallel, hf_config
         self.work_dir, self.timeout_s = Path(work_dir), timeout_s
         self.loaded: Path | None = None  # the folder the servers serve now
+        self.loaded_version: str | None = None  # the version it was loaded under
 
     def sync(self, model: torch.nn.Module, version: str, skip: Sequence[str] = ()) -> SyncMetrics | None:
         """`skip`: servers down, left out (a server's restart loads `loaded`)."""
@@ -62,7 +63,7 @@ class DiskSyncer:
         folder = self.work_dir / f"weights-{version}"
         if dist.get_rank() == 0 and self.loaded is not None and self.loaded != folder:
             shutil.rmtree(self.loaded, ignore_errors=True)
-        self.loaded = folder
+        self.loaded, self.loaded_version = folder, version
         return metrics
 
     def close(self) -> None:
