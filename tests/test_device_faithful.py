@@ -144,3 +144,33 @@ def test_tensors_made_outside_torch_ops_are_host_memory(world, make):
     with pytest.raises(DeviceMixError, match="Expected all tensors to be on the same device"):
         torch.zeros(3, device="cuda") + host
     assert (host.cuda() + torch.zeros(3, device="cuda")).is_cuda  # moved, it is device memory
+
+
+@pytest.mark.parametrize("read", [lambda t: t.item(), lambda t: t.tolist(), bool, float, int, lambda t: [0, 1][t]])
+def test_reading_a_device_tensor_on_the_host_inside_a_no_sync_region_raises(faithful, read):
+    """What torch.cuda.set_sync_debug_mode("error") refuses on a GPU, inside the regions that must not stall its
+    queue (the fused loss and the loss function); outside them, and of host tensors, such reads are fine."""
+    from megatron_dapo.ops.host_sync import no_host_sync
+
+    dev, host = torch.ones((), device="cuda", dtype=torch.long), torch.ones((), dtype=torch.long)
+    with no_host_sync("the test's region"):
+        with pytest.raises(DeviceMixError, match="inside the test's region, which must not sync the GPU"):
+            read(dev)
+        read(host)
+    read(dev)
+
+
+def test_the_fused_loss_forward_and_backward_read_nothing_on_the_host(faithful):
+    """The op as the training step calls it, on device tensors, in the mode that refuses host reads inside it;
+    a normaliser on the device is refused by name (reading it would be such a sync)."""
+    from megatron_dapo.ops import dapo_loss
+
+    n = 64
+    logp = torch.randn(n, device="cuda", dtype=torch.float64).requires_grad_()
+    old, adv = torch.randn(n, device="cuda", dtype=torch.float64), torch.randn(n, device="cuda", dtype=torch.float64)
+    mask = torch.rand(n, device="cuda") > 0.3
+    loss, stats = dapo_loss(logp, old, adv, mask, eps_low=0.2, eps_high=0.28, normalizer=float(n), dual_clip_c=3.0)
+    (2.0 * loss).backward()  # a gradient other than 1: the backward's scaling path
+    assert logp.grad.is_cuda and stats.num_tokens.is_cuda
+    with pytest.raises(ValueError, match="normalizer is a tensor on the device"):
+        dapo_loss(logp, old, adv, mask, eps_low=0.2, eps_high=0.28, normalizer=torch.tensor(64.0, device="cuda"))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from megatron_dapo.ops.dapo_loss_checks import STAT_NAMES, DapoLossStats, check_dapo_loss_args
+from megatron_dapo.ops.host_sync import no_host_sync
 from megatron_dapo.ops.kl_penalty import kl_penalty
 
 try:
@@ -62,6 +63,10 @@ if _EXTENSION_ERROR is None:
         ctx.save_for_backward(unit_grad)
 
     def _backward(ctx, grad_loss, grad_stats, grad_unit):
+        with no_host_sync("dapo_loss's backward"):
+            return _scaled_grad(ctx, grad_loss)
+
+    def _scaled_grad(ctx, grad_loss):
         if not ctx.compute_grad:
             raise RuntimeError("dapo_loss_fwd ran with compute_grad=False; call megatron_dapo.ops.dapo_loss instead")
         if grad_loss is None:  # the loss did not reach the graph's output
@@ -112,10 +117,11 @@ def dapo_loss(
     if _EXTENSION_ERROR is not None:
         raise RuntimeError(_EXTENSION_ERROR)
     compute_grad = torch.is_grad_enabled() and logp.requires_grad
-    loss, stats, _ = torch.ops.megatron_dapo.dapo_loss_fwd(
-        logp, old_logp, advantages, mask, float(eps_low), float(eps_high), normalizer,
-        None if dual_clip_c is None else float(dual_clip_c), float(log_ratio_clamp), compute_grad,
-    )
-    if kl_coef > 0.0:
-        loss = loss + kl_coef * kl_penalty(logp, ref_logp, mask, kl_type=kl_type, normalizer=normalizer)
-    return loss, DapoLossStats.from_vector(stats)
+    with no_host_sync("dapo_loss"):
+        loss, stats, _ = torch.ops.megatron_dapo.dapo_loss_fwd(
+            logp, old_logp, advantages, mask, float(eps_low), float(eps_high), normalizer,
+            None if dual_clip_c is None else float(dual_clip_c), float(log_ratio_clamp), compute_grad,
+        )
+        if kl_coef > 0.0:
+            loss = loss + kl_coef * kl_penalty(logp, ref_logp, mask, kl_type=kl_type, normalizer=normalizer)
+        return loss, DapoLossStats.from_vector(stats)

@@ -46,7 +46,10 @@ def _as_normalizer(normalizer) -> float:
     if isinstance(normalizer, torch.Tensor):
         if normalizer.numel() != 1:
             raise ValueError(f"dapo_loss: normalizer must be a number or a one-element tensor, got {tuple(normalizer.shape)}")
-        normalizer = normalizer.item()  # one host sync; pass a Python number to avoid it
+        if normalizer.device.type != "cpu":
+            raise ValueError("dapo_loss: normalizer is a tensor on the device, which the op would have to read on the "
+                             "host (a sync that stalls the GPU's queue): pass a Python number or a host tensor")
+        normalizer = normalizer.item()
     if isinstance(normalizer, bool) or not isinstance(normalizer, (int, float)):
         raise TypeError(f"dapo_loss: normalizer must be a number (the step's loss-token count), got {type(normalizer).__name__}")
     if not math.isfinite(normalizer) or normalizer <= 0:
@@ -74,20 +77,23 @@ class DapoLossParamError(ValueError):
 
 
 def check_dapo_loss_params(*, eps_low, eps_high, dual_clip_c, log_ratio_clamp, kl_coef, kl_type) -> None:
-    """The op's rules for its settings, in one place: the kernels' checks and the run's config both use them."""
+    """The op's rules for its settings, in one place: the kernels' checks and the run's config both use them.
+    Messages are formatted only for a setting that fails: the op checks its settings on every call."""
     rules = [
-        ("eps_low", 0.0 < eps_low < 1.0, f"must be in (0, 1), got {eps_low}"),
-        ("eps_high", eps_high > 0.0, f"must be > 0, got {eps_high}"),
+        ("eps_low", 0.0 < eps_low < 1.0, "must be in (0, 1), got {eps_low}"),
+        ("eps_high", eps_high > 0.0, "must be > 0, got {eps_high}"),
         ("dual_clip_c", dual_clip_c is None or dual_clip_c > 1.0,
-         f"must be > 1 (or None to turn dual clip off), got {dual_clip_c}"),
+         "must be > 1 (or None to turn dual clip off), got {dual_clip_c}"),
         ("log_ratio_clamp", 0.0 < log_ratio_clamp <= MAX_LOG_RATIO_CLAMP,
-         f"must be in (0, {MAX_LOG_RATIO_CLAMP}] (exp of it must fit in float32), got {log_ratio_clamp}"),
-        ("kl_type", kl_type in KL_TYPES, f"must be one of {KL_TYPES}, got {kl_type!r}"),
-        ("kl_coef", kl_coef >= 0.0, f"must be >= 0, got {kl_coef}"),
+         "must be in (0, {limit}] (exp of it must fit in float32), got {log_ratio_clamp}"),
+        ("kl_type", kl_type in KL_TYPES, "must be one of {kl_types}, got {kl_type!r}"),
+        ("kl_coef", kl_coef >= 0.0, "must be >= 0, got {kl_coef}"),
     ]
     for param, ok, message in rules:
         if not ok:
-            raise DapoLossParamError(param, message)
+            raise DapoLossParamError(param, message.format(
+                eps_low=eps_low, eps_high=eps_high, dual_clip_c=dual_clip_c, log_ratio_clamp=log_ratio_clamp,
+                kl_type=kl_type, kl_coef=kl_coef, limit=MAX_LOG_RATIO_CLAMP, kl_types=KL_TYPES))
 
 
 def check_dapo_loss_args(

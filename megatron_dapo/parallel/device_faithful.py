@@ -16,7 +16,9 @@ first GPU step. In this mode every storage carries the place the GPU path would 
 
 An op that mixes device and host tensors raises the error CUDA raises (0-dim host tensors are allowed,
 as CUDA allows CPU scalars; so are cross-device copies and host index tensors); `.numpy()` of a device
-tensor raises; a collective over a group that runs NCCL on GPUs (every group not created with an
+tensor raises; so does reading a device tensor on the host (`.item()`, `.tolist()`, `bool()`, `float()`,
+`int()`) inside a region that must not sync the GPU (ops/host_sync.py: the fused loss and the loss function),
+as `torch.cuda.set_sync_debug_mode("error")` does there; a collective over a group that runs NCCL on GPUs (every group not created with an
 explicit gloo backend) refuses host tensors, as NCCL does. `x.device` of a device tensor reports
 `cuda:LOCAL_RANK`, so code that derives devices from tensors follows the GPU path.
 
@@ -33,6 +35,8 @@ import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
+
+from megatron_dapo.ops.host_sync import current_region
 
 ENV = "MEGATRON_DAPO_DEVICE_FAITHFUL"
 
@@ -171,6 +175,14 @@ def _numpy(func, args, kwargs):
     return func(*args, **kwargs)
 
 
+def _host_read(func, args, kwargs):
+    where = current_region()
+    if where is not None and is_device(args[0]):
+        raise DeviceMixError(f"{func.__name__}() of a {_describe(args[0], 'device')} inside {where}, which must not "
+                             "sync the GPU: keep the value on the device (device-faithful CPU mode)")
+    return func(*args, **kwargs)
+
+
 def _cuda(func, args, kwargs):
     t = args[0]
     return t if is_device(t) else mark_device(t.clone())
@@ -225,6 +237,8 @@ _HANDLERS = {
     torch.Tensor.to: _to,
     torch.Tensor.type_as: _type_as,
     torch.Tensor.pin_memory: _identity,
+    **{read: _host_read for read in (torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__,
+                                     torch.Tensor.__float__, torch.Tensor.__int__, torch.Tensor.__index__)},
 }
 
 

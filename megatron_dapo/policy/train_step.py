@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from megatron_dapo.config import LossConfig, OptimConfig, ParallelConfig
 from megatron_dapo.ops import STAT_NAMES, dapo_loss
+from megatron_dapo.ops.host_sync import no_host_sync
 from megatron_dapo.policy.batch import MicroBatch, Sequence, check_sequences, micro_batches
 from megatron_dapo.policy.forward import is_last_stage, micro_batch_logprobs, model_forward
 from megatron_dapo.policy.hf_config import ModelSpec
@@ -121,18 +122,19 @@ class PolicyTrainer:
         return self.model.module
 
     def _loss_func(self, mb: MicroBatch, old_logp, advantages, mask, weight, ref_logp, logits):
-        logp, entropy = micro_batch_logprobs(logits, mb, self.spec.vocab_size, inplace_backward=True,
-                                             temperature=self.temperature)
-        c = self.loss_cfg
-        loss, stats = dapo_loss(logp, old_logp, advantages, mask if weight is None else torch.where(mask, weight, 0.0),
-                                eps_low=c.eps_low, eps_high=c.eps_high,
-                                normalizer=1.0, dual_clip_c=c.dual_clip_c, log_ratio_clamp=c.log_ratio_clamp,
-                                ref_logp=ref_logp, kl_coef=c.kl_coef if ref_logp is not None else 0.0,
-                                kl_type=c.kl_type)
-        num_tokens = mask.sum().to(torch.int)  # the token-level normaliser: every loss token, whatever its weight
-        reduced = {"stats": torch.stack(stats), "loss_sum": loss.detach().double(),
-                   "entropy_sum": torch.where(mask, entropy, 0.0).sum().double()}
-        return loss, num_tokens, reduced
+        with no_host_sync("the loss function"):  # once per micro-batch: a host read would stall the GPU each time
+            logp, entropy = micro_batch_logprobs(logits, mb, self.spec.vocab_size, inplace_backward=True,
+                                                 temperature=self.temperature)
+            c = self.loss_cfg
+            loss, stats = dapo_loss(logp, old_logp, advantages,
+                                    mask if weight is None else torch.where(mask, weight, 0.0),
+                                    eps_low=c.eps_low, eps_high=c.eps_high, normalizer=1.0, dual_clip_c=c.dual_clip_c,
+                                    log_ratio_clamp=c.log_ratio_clamp, ref_logp=ref_logp,
+                                    kl_coef=c.kl_coef if ref_logp is not None else 0.0, kl_type=c.kl_type)
+            num_tokens = mask.sum().to(torch.int)  # the token-level normaliser: every loss token, whatever its weight
+            reduced = {"stats": torch.stack(stats), "loss_sum": loss.detach().double(),
+                       "entropy_sum": torch.where(mask, entropy, 0.0).sum().double()}
+            return loss, num_tokens, reduced
 
     def step(self, samples: list[RolloutSample]) -> StepResult:
         """One optimizer step on this data-parallel rank's share of the batch."""

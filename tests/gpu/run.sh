@@ -107,6 +107,10 @@ bench_figures() { # the CUDA table's largest row: tokens, fused ms, GB/s, share 
         printf "%s GB/s = %s of a copy\n", f[10], f[12] }' "$1"
     grep -o 'max |grad fused - grad reference|.*' "$1" | sed 's/over the runs//'
 }
+overhead_figures() { # per token count: the kernel alone, dapo_loss forward + backward, their difference
+    awk '/^== cuda:/ { cuda = 1 } cuda && NF == 7 && $1 ~ /^[0-9]+$/ {
+        printf "%s tokens: kernel %s us, dapo_loss %s us (%sx), host overhead %s us\n", $1, $2, $4, $6, $7 }' "$1"
+}
 attention_figures() { # the longest row: tokens, megatron GiB, sdpa GiB, median seconds, SDPA kernel
     awk '/^== cuda:/ { cuda = 1 } cuda && NF == 8 && $1 ~ /^[0-9]+$/ { row = $0 } END { if (row != "") {
         split(row, f, " "); printf "%s tokens: sdpa %s GiB vs megatron %s GiB, %s s vs %s s (median), %s kernel\n",
@@ -202,6 +206,8 @@ export PYTHONPATH="$repo:$site${PYTHONPATH:+:$PYTHONPATH}"
 run_step "fused op CUDA tests" 120 pytest_figures "$PY" -m pytest tests/gpu -q -rfEs -p no:cacheprovider \
     --ignore=tests/gpu/test_policy_cuda.py
 run_step "fused op benchmark" 90 bench_figures "$PY" bench/bench_dapo_loss.py --device cuda
+run_step "fused op host overhead" 60 overhead_figures "$PY" bench/bench_dapo_loss_overhead.py --device cuda \
+    --tokens 1e5 1e7 --reps 200
 run_step "policy bf16 vs transformers" 90 policy_figures "$PY" -m pytest tests/gpu/test_policy_cuda.py -q -s -rfE \
     -p no:cacheprovider
 run_step "DAPO end to end (1 GPU)" 240 figures_lines "$PY" tests/gpu/e2e_dapo.py --device cuda --out "$out/e2e_dapo"
