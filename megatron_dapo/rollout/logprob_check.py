@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from megatron_dapo.config import ConfigError
+from megatron_dapo.parallel.runtime import driver_value
 from megatron_dapo.rollout.engine import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -78,14 +79,6 @@ def judge(engine_logp, tempered, untempered, temperature: float, atol: float = D
                "the trainer's precision?")
 
 
-def _broadcast(obj, distributed: bool):
-    if not distributed:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
 def check_engine_logprobs(engine, recompute: Recompute, *, temperature: float,
                           prompts: list[list[int]] | None = None, n: int = 4, max_new_tokens: int = 16, seed: int = 0,
                           atol: float = DEFAULT_ATOL) -> LogprobAgreement:
@@ -104,14 +97,14 @@ def check_engine_logprobs(engine, recompute: Recompute, *, temperature: float,
                               for g in groups for s in g])
         except Exception as e:  # noqa: BLE001 - every rank must hear of it, not wait for samples forever
             payload = ("error", f"rollout.server_urls: sampling for the log-prob check failed: {type(e).__name__}: {e}")
-    status, body = _broadcast(payload, distributed)
+    status, body = driver_value(payload) if distributed else payload
     if status == "error":
         raise ConfigError(body)
     responses = [(p, o) for p, o, _ in body]
     tempered = recompute(responses, temperature)
     untempered = tempered if temperature == 1.0 else recompute(responses, 1.0)
     verdict = judge([lp for _, _, lp in body], tempered, untempered, temperature, atol) if driver else None
-    agreement, reason = _broadcast(verdict, distributed)
+    agreement, reason = driver_value(verdict) if distributed else verdict
     if reason is not None:
         raise ConfigError(reason)
     return agreement
