@@ -10,6 +10,7 @@ import importlib.util
 from dataclasses import dataclass, field
 
 from megatron_dapo.ops.dapo_loss_checks import DapoLossParamError, check_dapo_loss_params
+from megatron_dapo.ops.loss_aggregation import check_aggregation
 
 
 class ConfigError(ValueError):
@@ -110,8 +111,14 @@ class LossConfig:
     eps_high: float = 0.28
     dual_clip_c: float | None = None
     log_ratio_clamp: float = 20.0
-    kl_coef: float = 0.0  # > 0: KL penalty against the frozen initial policy (DAPO drops it)
+    kl_coef: float = 0.0  # > 0: a KL penalty against a reference policy (DAPO drops it; GRPO keeps it)
     kl_type: str = "k3"
+    # The KL term's reference: 0, the initial policy, frozen; N > 0, the policy as it is after every N-th rollout
+    # step (DeepSeek-R1's GRPO). Needs loss.kl_coef > 0.
+    kl_ref_refresh_steps: int = 0
+    # How the step's token terms are averaged (ops/loss_aggregation.py): "token" (DAPO), every loss token of the
+    # step weighs the same; "sample" (GRPO), each response's mean over its tokens, then the mean over responses.
+    aggregation: str = "token"
     # Truncated importance sampling: weight each token by min(pi_old / pi_rollout, cap) to correct the
     # mismatch between the inference engine's and the trainer's probabilities, and for the older weights a
     # one_step_off batch was sampled by (decoupled PPO: pi_rollout is the behaviour policy, pi_old the
@@ -131,6 +138,14 @@ class LossConfig:
                                    log_ratio_clamp=self.log_ratio_clamp, kl_coef=self.kl_coef, kl_type=self.kl_type)
         except DapoLossParamError as e:
             raise ConfigError(f"loss.{e.param}: {e.message}") from None
+        try:
+            check_aggregation(self.aggregation)
+        except ValueError as e:
+            raise ConfigError(f"loss.aggregation: {e}") from None
+        _whole(self.kl_ref_refresh_steps, "loss.kl_ref_refresh_steps", 0)
+        _require(not self.kl_ref_refresh_steps or self.kl_coef > 0, "loss.kl_ref_refresh_steps",
+                 f"refreshes the KL term's reference every {self.kl_ref_refresh_steps} steps, but loss.kl_coef is 0 "
+                 "(no KL term); set loss.kl_coef > 0, or loss.kl_ref_refresh_steps to 0")
         _require(self.tis_cap is None or self.tis_cap >= 1, "loss.tis_cap",
                  f"must be >= 1 or null (off), got {self.tis_cap}")
         _require(self.tis_mode in TIS_MODES, "loss.tis_mode",

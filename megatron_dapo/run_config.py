@@ -2,7 +2,7 @@
 
 Defaults are the DAPO paper's (eps_low 0.2, eps_high 0.28, G = 16, lr 1e-6 with 20 warmup steps,
 L_max 20480 with L_cache 4096, no KL). `load_config(path, overrides)` reads YAML, applies
-`section.key=value` overrides, and refuses unknown keys (naming the closest known one), values of
+`section.key=value` overrides, resolves `algorithm.preset` (algorithm/presets.py), and refuses unknown keys (naming the closest known one), values of
 the wrong type, and values or combinations that cannot work, each with the key in the message.
 """
 
@@ -19,6 +19,7 @@ from pathlib import Path
 import yaml
 
 from megatron_dapo.algorithm.config import AlgorithmConfig
+from megatron_dapo.algorithm.presets import apply_preset
 from megatron_dapo.config import (
     ConfigError,
     DataConfig,
@@ -70,6 +71,11 @@ class DapoConfig:
                  f"'rollout' is exact only for the in-process engine in sync mode (it samples with the very weights "
                  f"being trained); rollout.engine {r.engine!r} samples with its own copy and kernels: set "
                  "loss.old_logprobs to 'recompute'")
+        refresh = self.loss.kl_ref_refresh_steps
+        _require(not refresh or self.train.checkpoint_every % refresh == 0, "train.checkpoint_every",
+                 f"{self.train.checkpoint_every} is not a multiple of loss.kl_ref_refresh_steps {refresh}: a run resumed "
+                 "between two refreshes of the KL reference could not restore it (it is not saved); use a multiple, "
+                 "or 0 (a checkpoint at the end only)")
         _require(self.train.updates_per_step <= self.algorithm.batch_size * self.algorithm.group_size,
                  "train.updates_per_step", f"{self.train.updates_per_step} mini-batches cannot be cut from "
                  f"{self.algorithm.batch_size} x {self.algorithm.group_size} responses")
@@ -145,6 +151,7 @@ def config_from_dict(data: dict, overrides: typing.Sequence[str] = ()) -> DapoCo
     data = copy.deepcopy(data or {})  # overrides must not change the caller's dict
     for override in overrides:
         apply_override(data, override)
+    apply_preset(data)
     return _build(DapoConfig, data, "")
 
 

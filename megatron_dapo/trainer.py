@@ -61,6 +61,7 @@ class DapoTrainer:
         update_metrics = self._train(share, timer) if len(share) else {}
         applied = not update_metrics or update_metrics["updates_skipped"] < update_metrics["updates"]
         self.progress.steps_done += 1  # the new weights are this step's: the servers get them under its number
+        self.policy.reference_after(self.step_index)  # the KL term's reference, where it follows the policy
         self.schedule.trained(self.step_index, timer)
         if self.schedule.publishes(applied):
             with timer("sync"):

@@ -251,6 +251,42 @@ def test_uniform_groups_are_dropped_and_the_batch_fills_over_rounds():
     assert m.accuracy == pytest.approx((4 * 4 + 4 * 1) / 44)
 
 
+@pytest.mark.parametrize("score_as_completed", [True, False])
+def test_without_dynamic_sampling_the_batch_is_the_first_groups_drawn_uniform_ones_included(score_as_completed):
+    """algorithm.dynamic_sampling false (GRPO): one round of batch_size prompts, every group kept in draw order,
+    those without contrast with advantages of 0; one sample generated per sample trained on."""
+    sampler, engine, prompts = make_sampler(["CCCC", "CWWW", "WWWW", "TTTT", "LLWW"], dynamic_sampling=False,
+                                            score_as_completed=score_as_completed)
+    batch = sampler.collect()
+    assert prompts.asked == [4] and len(engine.streams) == 1
+    assert [g.prompt.index for g in batch.groups] == [0, 1, 2, 3]
+    assert [g.num_correct for g in batch.groups] == [4, 1, 0, 0]
+    for uniform in (batch.groups[0], batch.groups[2]):
+        assert uniform.advantages.abs().max() == 0
+    assert batch.groups[1].advantages.abs().min() > 0
+    m = batch.metrics
+    assert (m.rounds, m.groups_kept, m.groups_all_correct, m.groups_all_wrong) == (1, 4, 1, 2)
+    assert m.samples_generated == 16 and m.samples_per_kept_sample == 1.0
+    # The same prompts with it on: uniform groups dropped, more drawn.
+    on, _, on_prompts = make_sampler(["CCCC", "CWWW", "WWWW", "TTTT", "LLWW"], score_as_completed=score_as_completed)
+    assert all(0 < g.num_correct < 4 for g in on.collect().groups) and len(on_prompts.asked) > 1
+
+
+def test_without_dynamic_sampling_stale_groups_are_still_dropped_and_drawn_again():
+    class Versioned(ScriptedEngine):
+        def stream(self, prompts, n, params):
+            stream = super().stream(prompts, n, params)
+            stream.pending = [[dataclasses.replace(s, weight_version="1" if s.prompt_index == 1 else "3")
+                               for s in g] for g in stream.pending]
+            return stream
+
+    sampler, _, prompts = make_sampler(["CCCC", "CWWW"], batch_size=2, dynamic_sampling=False, engine=Versioned())
+    sampler.min_version = 2
+    batch = sampler.collect()
+    assert prompts.asked == [2, 1] and [g.prompt.index for g in batch.groups] == [0, 2]
+    assert batch.metrics.groups_stale == 1
+
+
 def test_oversampling_draws_more_prompts_per_round():
     sampler, _, prompts = make_sampler(["CCCC", "CWWW"], oversample_factor=1.5)
     batch = sampler.collect()
@@ -415,6 +451,10 @@ def test_batch_contents_and_metrics():
     ({"advantage_eps": 0.0}, "algorithm.advantage_eps"),
     ({"overlong_filter": "yes"}, "algorithm.overlong_filter"),
     ({"overlong_penalty": 1}, "algorithm.overlong_penalty"),
+    ({"dynamic_sampling": "no"}, "algorithm.dynamic_sampling"),
+    ({"dynamic_sampling": False, "oversample_factor": 1.5},
+     "algorithm.oversample_factor: 1.5 draws extra prompts for dynamic sampling, which algorithm.dynamic_sampling "
+     "false turns off"),
 ])
 def test_bad_config_names_the_key(kwargs, key):
     with pytest.raises(ConfigError, match=key):

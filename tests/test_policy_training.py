@@ -13,13 +13,15 @@ from megatron_dapo.policy.train_step import OptimConfig, RolloutSample
 BASE = "tp1-pp1-dp1-mb100000"  # DP=1, one micro-batch
 SPLITS = ["tp1-pp1-dp2-mb62", "tp2-pp1-dp1-mb200", "tp1-pp2-dp1-mb200"]
 RECOMPUTE = ["tp2-pp1-dp1-mb200-r", "tp1-pp2-dp1-mb200-r"]  # model.activation_recompute: full
+SAMPLE_BASE, SAMPLE_SPLIT = "tp1-pp1-dp1-mb100000-s", "tp1-pp1-dp2-mb62-s"  # loss.aggregation: sample
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("train")
-    torchrun("train_worker.py", 1, str(out), "1,1,100000", "tis", "bf16")
-    torchrun("train_worker.py", 2, str(out), "1,1,62", "2,1,200", "1,2,200", "2,1,200,r", "1,2,200,r", "adam", "nan")
+    torchrun("train_worker.py", 1, str(out), "1,1,100000", "1,1,100000,s", "tis", "bf16")
+    torchrun("train_worker.py", 2, str(out), "1,1,62", "1,1,62,s", "2,1,200", "1,2,200", "2,1,200,r", "1,2,200,r",
+             "adam", "nan")
 
     def load(tag):
         deltas = {}
@@ -27,7 +29,7 @@ def runs(tmp_path_factory):
             deltas.update(torch.load(f))
         return json.loads((out / f"{tag}.json").read_text()), deltas
 
-    return {**{tag: load(tag) for tag in [BASE, *SPLITS, *RECOMPUTE, "adam"]},
+    return {**{tag: load(tag) for tag in [BASE, *SPLITS, *RECOMPUTE, SAMPLE_BASE, SAMPLE_SPLIT, "adam"]},
             **{k: json.loads((out / f"{k}.json").read_text()) for k in ("tis", "nan", "bf16")}}
 
 
@@ -70,6 +72,22 @@ def test_one_step_is_the_same_whatever_the_split(runs, split):
     assert meta["grad_norm"] == pytest.approx(base_meta["grad_norm"], rel=1e-5)
     assert meta["loss"] == pytest.approx(base_meta["loss"], rel=1e-5)
     assert meta["stats"]["num_tokens"] == base_meta["stats"]["num_tokens"]
+
+
+def test_sample_level_aggregation_is_its_definition_and_the_same_whatever_the_split(runs):
+    """loss.aggregation "sample" (GRPO): the step's loss is the float64 definition's (each response's token mean,
+    then the mean over responses), one step is the same under a data-parallel, many-micro-batch split, and it is
+    not the token-level step (the batch's responses are 4 to 60 tokens long)."""
+    base_meta, base = runs[SAMPLE_BASE]
+    meta, split = runs[SAMPLE_SPLIT]
+    assert base_meta["loss"] == pytest.approx(base_meta["reference_loss"], rel=1e-5)
+    assert meta["loss"] == pytest.approx(base_meta["loss"], rel=1e-5)
+    assert meta["grad_norm"] == pytest.approx(base_meta["grad_norm"], rel=1e-5)
+    scale = max(v.abs().max().item() for v in base.values())
+    assert max((split[k] - base[k]).abs().max().item() for k in base) / scale < 1e-5
+    token_meta, token = runs[BASE]
+    assert abs(base_meta["grad_norm"] - token_meta["grad_norm"]) > 0.01 * token_meta["grad_norm"]
+    assert max((token[k] - base[k]).abs().max().item() for k in base) / scale > 1e-2
 
 
 @pytest.mark.parametrize("split", RECOMPUTE)

@@ -32,3 +32,4 @@ def test_mismatch_metrics_count_every_loss_token_once(runs, layout):
     assert got["tokens"] == want["tokens"] and got["tis_capped"] == want["tis_capped"]
     for key in ("entropy_sum", "mismatch_k3_sum", "mismatch_abs_sum", "tis_weight_sum", "abs_max"):
         assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), key
+    assert abs(got["reference_k3_sum"]) < 1e-6  # the reference has the policy's weights here

@@ -117,6 +117,10 @@ def test_bad_values_name_their_key(override, key):
      "rollout.engine 'sglang' samples .* set loss.old_logprobs to 'recompute'"),
     (["loss.old_logprobs=rollout", "rollout.engine=local", "loss.tis_cap=2"],
      "loss.old_logprobs: 'rollout' .* no mismatch for loss.tis_cap to correct"),
+    # A reference refreshed between checkpoints could not be restored by a resume.
+    (["loss.kl_coef=0.01", "loss.kl_ref_refresh_steps=4", "train.checkpoint_every=10"],
+     "train.checkpoint_every: 10 is not a multiple of loss.kl_ref_refresh_steps 4"),
+    (["loss.kl_ref_refresh_steps=4"], "loss.kl_ref_refresh_steps: refreshes .* but loss.kl_coef is 0"),
 ])
 def test_bad_combinations_name_a_key(overrides, key):
     with pytest.raises(ConfigError, match=key):
@@ -175,3 +179,48 @@ def test_training_samples_from_the_distribution_the_trainer_computes_log_probs_o
         config_from_dict(MINIMAL, ["rollout.temperature=1e-7"])
     cfg = config_from_dict(MINIMAL, ["rollout.temperature=0.7", "rollout.top_p=1.0", "eval.top_p=0.7"])
     assert (cfg.rollout.temperature, cfg.rollout.top_p, cfg.eval.top_p) == (0.7, 1.0, 0.7)
+
+
+# --- algorithm.preset ---------------------------------------------------------------------------------------
+
+SWITCHES = ("loss.eps_low", "loss.eps_high", "loss.aggregation", "algorithm.overlong_penalty",
+            "algorithm.overlong_filter", "algorithm.dynamic_sampling", "loss.kl_coef", "loss.kl_ref_refresh_steps")
+
+
+def switches(cfg):
+    return {key: getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1]) for key in SWITCHES}
+
+
+def test_the_dapo_preset_is_the_default_and_the_grpo_preset_sets_every_switch():
+    assert switches(config_from_dict(MINIMAL, ["algorithm.preset=dapo"])) == switches(config_from_dict(MINIMAL))
+    assert switches(config_from_dict(MINIMAL, ["algorithm.preset=grpo"])) == {
+        "loss.eps_low": 0.2, "loss.eps_high": 0.2, "loss.aggregation": "sample", "algorithm.overlong_penalty": False,
+        "algorithm.overlong_filter": False, "algorithm.dynamic_sampling": False, "loss.kl_coef": 0.04,
+        "loss.kl_ref_refresh_steps": 0}
+
+
+def test_a_preset_is_overridden_key_by_key():
+    """GRPO with clip-higher, an arm of the ablation; and R1's refreshed reference."""
+    cfg = config_from_dict(MINIMAL, ["algorithm.preset=grpo", "loss.eps_high=0.28", "loss.kl_ref_refresh_steps=10"])
+    assert (cfg.loss.eps_high, cfg.loss.aggregation, cfg.loss.kl_ref_refresh_steps) == (0.28, "sample", 10)
+    cfg = config_from_dict(MINIMAL, ["algorithm.preset=grpo", "algorithm.dynamic_sampling=true",
+                                     "algorithm.oversample_factor=2"])  # the switch on, its key with it
+    assert cfg.algorithm.dynamic_sampling and cfg.algorithm.oversample_factor == 2.0
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["algorithm.preset=grpo", "algorithm.oversample_factor=1.5"],
+     "algorithm.oversample_factor: draws extra prompts for dynamic sampling, but algorithm.preset 'grpo' sets "
+     "algorithm.dynamic_sampling to False .off.; set algorithm.dynamic_sampling as well, or remove "
+     "algorithm.oversample_factor"),
+    (["algorithm.preset=grpo", "algorithm.overlong_cache_len=8"],
+     "algorithm.overlong_cache_len: is the soft overlong penalty's interval, but algorithm.preset 'grpo' sets "
+     "algorithm.overlong_penalty to False"),
+    (["algorithm.preset=dapo", "loss.kl_type=k1"],
+     "loss.kl_type: chooses the KL term's estimator, but algorithm.preset 'dapo' sets loss.kl_coef to 0.0"),
+    (["algorithm.preset=dapo", "loss.kl_ref_refresh_steps=10"], "loss.kl_ref_refresh_steps: refreshes"),
+    (["algorithm.preset=ppo"], "algorithm.preset: must be one of 'dapo', 'grpo', got 'ppo'"),
+])
+def test_a_preset_refuses_a_key_it_would_ignore_naming_it(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        config_from_dict(MINIMAL, overrides)

@@ -132,6 +132,27 @@ def test_old_logprobs_taken_from_the_local_engine_train_as_the_recomputed_ones(l
     assert (local_runs["rollout"] / "checkpoints" / "step_000003" / "COMPLETE").is_file()
 
 
+def test_the_grpo_preset_trains_every_group_drawn_and_its_kl_reference_follows_the_policy_every_n_steps(
+        task, tmp_path):
+    """algorithm.preset grpo, with DeepSeek-R1's reference refreshed every 2 steps: every group drawn is trained on
+    (one sample generated per sample trained), and KL(policy || reference) is 0 where the reference was just set
+    to the policy (steps 1 and 3) and not in between (step 2: the reference is the initial policy, the policy has
+    had one step's updates)."""
+    out = tmp_path / "grpo"
+    path = config(task, out, rollout={"engine": "local"}, eval={"every": 0},
+                  loss={"kl_ref_refresh_steps": 2, "kl_coef": 0.5})
+    cfg = yaml.safe_load(path.read_text())
+    cfg["algorithm"] = {"preset": "grpo", **{k: v for k, v in cfg["algorithm"].items()
+                                             if k not in ("oversample_factor", "overlong_cache_len")}}
+    path.write_text(yaml.safe_dump(cfg))
+    finish(launch(path, 1), path)
+    records = metrics(out)
+    assert [r["groups_kept"] for r in records] == [4, 4, 4] and all(r["samples_per_kept_sample"] == 1 for r in records)
+    assert all(r["updates_skipped"] == 0 for r in records)
+    kl = [r["kl_reference"] for r in records]
+    assert kl[0] < 1e-7 and kl[2] < 1e-7 and kl[1] > 1e-5, kl
+
+
 def kill_tree(proc: subprocess.Popen) -> None:
     """SIGKILL a launched run and everything under it at once: torchrun's workers and the SGLang servers
     run in sessions of their own, so killing the process group would leave them running."""

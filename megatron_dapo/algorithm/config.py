@@ -12,10 +12,14 @@ def _is_whole(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def check_overlong_lengths(max_response_len, overlong_cache_len) -> None:
+def check_max_response_len(max_response_len) -> None:
     if not _is_whole(max_response_len) or max_response_len < 1:
         raise ConfigError(f"algorithm.max_response_len: must be a whole number of tokens >= 1, "
                           f"got {max_response_len!r}")
+
+
+def check_overlong_lengths(max_response_len, overlong_cache_len) -> None:
+    check_max_response_len(max_response_len)
     if not _is_whole(overlong_cache_len) or overlong_cache_len < 0:
         raise ConfigError(f"algorithm.overlong_cache_len: must be a whole number of tokens >= 0, "
                           f"got {overlong_cache_len!r}")
@@ -37,6 +41,10 @@ class AlgorithmConfig:
     overlong_cache_len: int = 4096  # L_cache: the soft punishment interval just below L_max
     overlong_penalty: bool = True  # add Eq. 13 to the reward
     overlong_filter: bool = False  # mask truncated responses out of the loss
+    # Drop the groups whose responses are all right or all wrong and sample on until the batch holds batch_size
+    # groups with contrast. False (GRPO): the batch is the first batch_size groups drawn, such groups included
+    # (their advantages are 0: nothing for the gradient, but their tokens count in the loss's normaliser).
+    dynamic_sampling: bool = True
 
     def __post_init__(self):
         if not _is_whole(self.batch_size) or self.batch_size < 1:
@@ -54,10 +62,17 @@ class AlgorithmConfig:
         if (isinstance(self.advantage_eps, bool) or not isinstance(self.advantage_eps, (int, float))
                 or not 0 < self.advantage_eps < 1):
             raise ConfigError(f"algorithm.advantage_eps: must be a number in (0, 1), got {self.advantage_eps!r}")
-        check_overlong_lengths(self.max_response_len, self.overlong_cache_len)
-        for key in ("overlong_penalty", "overlong_filter"):
+        if self.overlong_penalty:
+            check_overlong_lengths(self.max_response_len, self.overlong_cache_len)
+        else:  # the penalty's interval is unused
+            check_max_response_len(self.max_response_len)
+        for key in ("overlong_penalty", "overlong_filter", "dynamic_sampling"):
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(f"algorithm.{key}: must be true or false, got {getattr(self, key)!r}")
+        if not self.dynamic_sampling and self.oversample_factor != 1:
+            raise ConfigError(f"algorithm.oversample_factor: {self.oversample_factor:g} draws extra prompts for "
+                              "dynamic sampling, which algorithm.dynamic_sampling false turns off; set it to 1, or "
+                              "algorithm.dynamic_sampling to true")
 
     def check_data_parallel(self, dp_size: int) -> None:
         """Every data-parallel rank trains on the same number of whole groups."""

@@ -12,6 +12,9 @@ than `min_version` (set per batch by rollout.mode async) is dropped like an unmi
 engine a round is generated whole and judged in one call (`score_as_completed`), which takes the same batch. After
 algorithm.max_sampling_rounds the step goes on with what was kept (and a warning; an info line if nothing was), the
 batch trimmed from its end (in draw order) so that it divides across data-parallel ranks.
+
+With algorithm.dynamic_sampling off (GRPO) every group is usable: the batch is the first B groups drawn, groups
+without contrast included; only stale groups (rollout.mode async) are dropped and drawn again.
 """
 
 from __future__ import annotations
@@ -58,7 +61,8 @@ class DynamicSampler:
         self.min_version: int | None = None  # groups started by older weights are stale
 
     def collect(self) -> RolloutBatch:
-        """One training batch: the first B groups (in draw order) of G responses with 0 < #correct < G."""
+        """One training batch: the first B usable groups in draw order (with dynamic sampling, those of G responses
+        with 0 < #correct < G)."""
         cfg = self.cfg
         kept: list[ScoredGroup] = []  # in draw order
         tally = _Tally()
@@ -99,7 +103,7 @@ class DynamicSampler:
             return self._whole_round(stream, prompts, need, tally)
         kept: list[ScoredGroup] = []
         completed: dict[int, ScoredGroup] = {}  # completed, waiting for the groups drawn before them
-        mixed: list[int] = []  # the indices in `completed` of mixed groups, ascending
+        mixed: list[int] = []  # the indices in `completed` of usable groups, ascending
         settled = 0  # groups [0, settled) are taken: kept or dropped
         end = len(prompts)  # groups [end, ...) are not needed: aborted, or left out if they completed
         received = 0
@@ -122,14 +126,14 @@ class DynamicSampler:
                     if self._usable(group):
                         kept.append(group)
                         mixed.pop(0)
-                    elif self._mixed(group):
+                    elif self._wanted(group):
                         tally.stale += 1
                     settled += 1
                     if len(kept) == need:
                         break
                 if len(kept) == need or settled == end:
                     break
-                # The (need - kept)-th mixed group completed so far bounds where the last needed one is.
+                # The (need - kept)-th usable group completed so far bounds where the last needed one is.
                 if len(mixed) >= need - len(kept):
                     cut = mixed[need - len(kept) - 1] + 1
                     if cut < end:
@@ -169,7 +173,7 @@ class DynamicSampler:
                 tally.settle(group)
                 if self._usable(group):
                     kept.append(group)
-                elif self._mixed(group):
+                elif self._wanted(group):
                     tally.stale += 1
         return kept
 
@@ -177,9 +181,13 @@ class DynamicSampler:
         """0 < #correct < G: the group has contrast, its advantages are not all zero."""
         return 0 < group.num_correct < self.cfg.group_size
 
+    def _wanted(self, group: ScoredGroup) -> bool:
+        """What the rule keeps, staleness aside: a mixed group, or any with dynamic sampling off."""
+        return self._mixed(group) or not self.cfg.dynamic_sampling
+
     def _usable(self, group: ScoredGroup) -> bool:
-        """Mixed, and no response started by weights older than min_version."""
-        return self._mixed(group) and (self.min_version is None or min(
+        """Wanted, and no response started by weights older than min_version."""
+        return self._wanted(group) and (self.min_version is None or min(
             version_number(s.weight_version) for s in group.samples) >= self.min_version)
 
     def _draw_prompts(self, k: int, tally: _Tally) -> list[PromptItem]:

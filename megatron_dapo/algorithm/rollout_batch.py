@@ -43,10 +43,10 @@ class SamplingMetrics:
     groups_aborted: int  # groups drawn but cancelled before they completed: not needed for the batch
     groups_settled: int  # groups taken in draw order: kept + trimmed + all correct + all wrong + stale
     groups_kept: int  # groups in the training batch
-    groups_all_correct: int  # dropped: every response right
-    groups_all_wrong: int  # dropped: every response wrong
+    groups_all_correct: int  # every response right (dropped, with dynamic sampling)
+    groups_all_wrong: int  # every response wrong (dropped, with dynamic sampling)
     groups_trimmed: int  # mixed groups left out so that the batch divides across data-parallel ranks
-    groups_stale: int  # mixed groups dropped: started by weights older than rollout.max_staleness allows
+    groups_stale: int  # usable groups dropped: started by weights older than rollout.max_staleness allows
     prompts_drawn: int  # prompts taken from the data for this batch (settled, aborted or left over)
     samples_generated: int  # responses of the groups generated
     samples_per_kept_sample: float  # samples_generated / responses in the batch (inf if the batch is empty)

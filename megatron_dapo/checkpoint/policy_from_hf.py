@@ -1,9 +1,11 @@
 """The run's policy from its Hugging Face checkpoint (model.path): the trained policy, filled through
-`load_policy_weights` (which refreshes a bf16 optimizer's fp32 master copy), and the frozen KL reference when
-loss.kl_coef asks for one, both at model.dtype."""
+`load_policy_weights` (which refreshes a bf16 optimizer's fp32 master copy), and the KL reference when
+loss.kl_coef asks for one, both at model.dtype. The reference is the initial policy, frozen, or, with
+loss.kl_ref_refresh_steps N, the policy as it was after the last step that is a multiple of N."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -17,17 +19,38 @@ from megatron_dapo.policy.model import build_model
 from megatron_dapo.policy.train_step import PolicyTrainer
 from megatron_dapo.run_config import DapoConfig
 
+log = logging.getLogger(__name__)
+
 
 @dataclass
 class Policy:
     trainer: PolicyTrainer
-    reference: torch.nn.Module | None  # frozen, for the KL term; None without one
+    reference: torch.nn.Module | None  # for the KL term, never trained; None without one
     spec: ModelSpec
     hf_config: dict
+    reference_refresh_steps: int = 0  # loss.kl_ref_refresh_steps
 
     @property
     def module(self) -> torch.nn.Module:
         return self.trainer.module
+
+    def reference_after(self, steps_done: int) -> None:
+        """After `steps_done` rollout steps: the reference becomes the policy at every reference_refresh_steps-th."""
+        if self.reference is not None and self.reference_refresh_steps and steps_done % self.reference_refresh_steps == 0:
+            self.reference.load_state_dict(self.module.state_dict())
+
+    def resumed_at(self, steps_done: int) -> None:
+        """A resumed run's reference. The checkpoints of such runs fall on refresh steps (the config requires
+        train.checkpoint_every to be a multiple of loss.kl_ref_refresh_steps) except the last one of a finished
+        run: one resumed from there (train.steps raised) anchors on the policy it resumes, earlier than planned."""
+        n = self.reference_refresh_steps
+        if self.reference is None or not n:
+            return
+        if steps_done % n:
+            log.warning("resumed at step %d, between the KL reference's refreshes (loss.kl_ref_refresh_steps %d): "
+                        "the reference of step %d was not saved, so the resumed policy becomes the reference now",
+                        steps_done, n, steps_done - steps_done % n)
+        self.reference.load_state_dict(self.module.state_dict())
 
 
 def open_hf_checkpoint(model: ModelConfig) -> tuple[HFCheckpoint, ModelSpec]:
@@ -54,4 +77,4 @@ def build_policy(cfg: DapoConfig, runtime: Runtime, hf: HFCheckpoint, spec: Mode
                                 post_process=parallel_state.is_pipeline_last_stage(), params_dtype=dtype)
         load_hf_weights(reference, hf.get, spec, cfg.parallel)
         reference = reference.eval().requires_grad_(False)
-    return Policy(trainer, reference, spec, hf.config)
+    return Policy(trainer, reference, spec, hf.config, cfg.loss.kl_ref_refresh_steps)

@@ -70,6 +70,8 @@ def build_parts(cfg: DapoConfig) -> TrainerParts:
     resume = latest_checkpoint(checkpoint_root) if cfg.train.resume else None
     extra = load_trainer_checkpoint(resume, policy.trainer) if resume is not None else None
     progress = RunProgress(extra["step"] if extra else 0)
+    if extra:
+        policy.resumed_at(progress.steps_done)
     metrics = MetricsLogger.for_run(cfg, progress.steps_done if extra else None) if driver else None
     server_urls = driver_value(service.server_urls if driver else None) if sglang else []
     publisher = WeightPublisher.from_config(cfg, runtime, policy, server_urls, progress,

@@ -50,6 +50,8 @@ def train_metrics(results, sums, abs_max, loss: LossConfig) -> dict[str, float]:
     tokens = max(m["tokens"], 1.0)
     out.update({"entropy": m["entropy_sum"] / tokens, "mismatch/kl": m["mismatch_k3_sum"] / tokens,
                 "mismatch/abs_mean": m["mismatch_abs_sum"] / tokens, "mismatch/abs_max": m["abs_max"]})
+    if loss.kl_coef > 0:  # how far the sampling policy is from the KL term's reference
+        out["kl_reference"] = m["reference_k3_sum"] / tokens
     if loss.tis_cap is not None:
         out.update({"tis/weight_mean": m["tis_weight_sum"] / tokens, "tis/capped_frac": m["tis_capped"] / tokens})
     return out

@@ -61,3 +61,25 @@ def dapo_loss_reference(
             num_tokens=active.sum().to(f64),
         )
     return loss, stats
+
+
+def sample_level_loss_reference(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    response_lens: list[int],
+    **kwargs,
+) -> torch.Tensor:
+    """GRPO's sample-level loss (loss.aggregation "sample") by its definition: each response's clipped terms
+    averaged over its own loss tokens, then those means averaged over the responses that have any; `kwargs` are
+    dapo_loss_reference's clipping settings. The tokens are packed response after response, `response_lens`
+    long."""
+    if sum(response_lens) != logp.numel():
+        raise ValueError(f"sample_level_loss_reference: response_lens sum to {sum(response_lens)}, "
+                         f"for {logp.numel()} tokens")
+    means = []
+    for lp, old, adv, m in zip(*(t.split(response_lens) for t in (logp, old_logp, advantages, mask))):
+        if m.any():
+            means.append(dapo_loss_reference(lp, old, adv, m, normalizer=float(m.sum()), **kwargs)[0])
+    return torch.stack(means).mean() if means else logp.sum() * 0.0

@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-MISMATCH_KEYS = ("tokens", "entropy_sum", "mismatch_k3_sum", "mismatch_abs_sum", "tis_weight_sum", "tis_capped")
+MISMATCH_KEYS = ("tokens", "entropy_sum", "mismatch_k3_sum", "mismatch_abs_sum", "tis_weight_sum", "tis_capped",
+                 "reference_k3_sum")
 
 
 def tis_weights(log_ratio: torch.Tensor, cap: float, mode: str = "truncate") -> torch.Tensor:
@@ -23,19 +24,28 @@ def tis_weights(log_ratio: torch.Tensor, cap: float, mode: str = "truncate") -> 
 
 
 def mismatch_sums(log_ratio: torch.Tensor, entropy: torch.Tensor, in_loss: torch.Tensor,
-                  tis_cap: float | None, tis_mode: str = "truncate") -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's sums (MISMATCH_KEYS, float64 [6]) and largest |log_ratio| ([1]) over the tokens where
-    `in_loss`; every input is one entry per token, on the same device, and so are the results."""
+                  tis_cap: float | None, tis_mode: str = "truncate",
+                  reference_log_ratio: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's sums (MISMATCH_KEYS, float64 [7]) and largest |log_ratio| ([1]) over the tokens where
+    `in_loss`; every input is one entry per token, on the same device, and so are the results.
+    `reference_log_ratio`: log pi_ref - log pi_old where the loss has a KL term (its k3 estimate of
+    KL(old || reference) is summed; 0 without one)."""
     r = log_ratio[in_loss].double()
     zero = r.new_zeros(())
-    k3 = torch.exp(-r) + r - 1  # KL(rollout || old), estimated on the rollout's samples
+    k3 = _k3(-r)  # KL(rollout || old), estimated on the rollout's samples
     ratio = torch.exp(r)
     sums = torch.stack([
         in_loss.sum().double(), entropy[in_loss].double().sum(), k3.sum(), r.abs().sum(),
         tis_weights(r, tis_cap, tis_mode).sum() if tis_cap is not None else zero,
-        (ratio > tis_cap).sum().double() if tis_cap is not None else zero])
+        (ratio > tis_cap).sum().double() if tis_cap is not None else zero,
+        _k3(reference_log_ratio[in_loss].double()).sum() if reference_log_ratio is not None else zero])
     abs_max = r.abs().max().reshape(1) if r.numel() else r.new_zeros(1)
     return sums, abs_max
+
+
+def _k3(log_ratio: torch.Tensor) -> torch.Tensor:
+    """Schulman's k3 estimate of KL(p || q) per token sampled from p, given log q - log p: >= 0, unbiased."""
+    return torch.exp(log_ratio) - log_ratio - 1
 
 
 def reduce_mismatch(sums: torch.Tensor, abs_max: torch.Tensor) -> dict[str, float]:

@@ -68,7 +68,8 @@ def training_samples(model, reference, share: PackedShare, *, spec, max_tokens_p
 
     reporter = parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0
     if reporter and entropy is not None:
-        sums, abs_max = mismatch_sums(log_ratio, entropy, in_loss, tis_cap, tis_mode)
+        sums, abs_max = mismatch_sums(log_ratio, entropy, in_loss, tis_cap, tis_mode,
+                                      ref.double() - old.double() if ref is not None else None)
     else:
         sums, abs_max = torch.zeros(len(MISMATCH_KEYS), dtype=torch.float64, device=device), \
             torch.zeros(1, dtype=torch.float64, device=device)

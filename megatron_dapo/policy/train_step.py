@@ -2,8 +2,9 @@
 
 The model stage is wrapped in megatron-core's DistributedDataParallel and optimizer (AdamW, the
 distributed optimizer by default, gradient clipping), with a linear-warmup-then-constant learning
-rate. Normalisation is token-level over the whole step: every micro-batch contributes its summed
-loss and its token count, and megatron-core's per-token loss mode divides the gradients summed over
+rate. Normalisation is over the whole step: every micro-batch contributes its summed loss and its
+count (loss tokens; responses with loss.aggregation "sample", whose tokens are weighted by 1 / their
+response's loss tokens), and megatron-core's per-token loss mode divides the gradients summed over
 micro-batches and data-parallel ranks by the total count. So the gradient does not depend on how
 the step is split.
 """
@@ -21,6 +22,7 @@ import torch.distributed as dist
 from megatron_dapo.config import LossConfig, OptimConfig, ParallelConfig
 from megatron_dapo.ops import STAT_NAMES, dapo_loss
 from megatron_dapo.ops.host_sync import no_host_sync
+from megatron_dapo.ops.loss_aggregation import aggregation_weights
 from megatron_dapo.policy.batch import MicroBatch, Sequence, check_sequences, micro_batches
 from megatron_dapo.policy.forward import is_last_stage, micro_batch_logprobs, model_forward
 from megatron_dapo.policy.hf_config import ModelSpec
@@ -54,7 +56,7 @@ class RolloutSample:
 
 @dataclass
 class StepResult:
-    loss: float  # token-level DAPO loss of the step (all micro-batches, all DP ranks)
+    loss: float  # the step's loss (all micro-batches, all DP ranks), aggregated as loss.aggregation says
     grad_norm: float  # NaN when not applied
     lr: float
     stats: dict[str, float] = field(default_factory=dict)  # summed over the step; ratio_max is the max
@@ -121,7 +123,9 @@ class PolicyTrainer:
         checkpoint.hf_weights.load_policy_weights, which refreshes the optimizer's master copy too)."""
         return self.model.module
 
-    def _loss_func(self, mb: MicroBatch, old_logp, advantages, mask, weight, ref_logp, logits):
+    def _loss_func(self, mb: MicroBatch, old_logp, advantages, mask, weight, ref_logp, units, logits):
+        """`weight`: the loss tokens' weights (truncated IS, loss.aggregation), None for all 1; `units`: what this
+        micro-batch adds to the step's normaliser (loss tokens, or responses with "sample" aggregation)."""
         with no_host_sync("the loss function"):  # once per micro-batch: a host read would stall the GPU each time
             logp, entropy = micro_batch_logprobs(logits, mb, self.spec.vocab_size, inplace_backward=True,
                                                  temperature=self.temperature)
@@ -131,10 +135,9 @@ class PolicyTrainer:
                                     eps_low=c.eps_low, eps_high=c.eps_high, normalizer=1.0, dual_clip_c=c.dual_clip_c,
                                     log_ratio_clamp=c.log_ratio_clamp, ref_logp=ref_logp,
                                     kl_coef=c.kl_coef if ref_logp is not None else 0.0, kl_type=c.kl_type)
-            num_tokens = mask.sum().to(torch.int)  # the token-level normaliser: every loss token, whatever its weight
-            reduced = {"stats": torch.stack(stats), "loss_sum": loss.detach().double(),
+            reduced = {"stats": torch.stack(stats), "loss_sum": loss.detach().double(), "units": units.double(),
                        "entropy_sum": torch.where(mask, entropy, 0.0).sum().double()}
-            return loss, num_tokens, reduced
+            return loss, units, reduced
 
     def step(self, samples: list[RolloutSample]) -> StepResult:
         """One optimizer step on this data-parallel rank's share of the batch."""
@@ -157,9 +160,14 @@ class PolicyTrainer:
             old = torch.cat([r.old_logp for r in rows]).to(dev, torch.float32)
             adv = torch.cat([r.advantages for r in rows]).to(dev, torch.float32)
             mask = torch.cat([r.loss_mask for r in rows]).to(dev)
-            weight = torch.cat([r.loss_weight for r in rows]).to(dev, torch.float32) if weighted else None
+            weight = torch.cat([r.loss_weight for r in rows]) if weighted else None
+            aggregate, units = aggregation_weights([r.loss_mask for r in rows], self.loss_cfg.aggregation)
+            if aggregate is not None:
+                weight = aggregate if weight is None else weight * aggregate
+            weight = weight.to(dev, torch.float32) if weight is not None else None
+            units = units.to(dev)  # a token of weight 0 still counts here
             ref = torch.cat([r.ref_logp for r in rows]).to(dev, torch.float32) if with_ref else None
-            return model_forward(model, mb, dev), partial(self._loss_func, mb, old, adv, mask, weight, ref)
+            return model_forward(model, mb, dev), partial(self._loss_func, mb, old, adv, mask, weight, ref, units)
 
         lr = self.optim.lr_at(self.step_count, self.updates_per_step)
         for group in self.optimizer.param_groups:
@@ -190,13 +198,14 @@ class PolicyTrainer:
     def _reduce_metrics(self, outputs, lr, parallel_state) -> StepResult:
         # Sums over this rank's micro-batches, then over data-parallel ranks, then to every pipeline stage.
         n = len(STAT_NAMES)
-        totals = torch.zeros(n + 2, dtype=torch.float64, device=self.device)
+        totals = torch.zeros(n + 3, dtype=torch.float64, device=self.device)
         ratio_max = torch.zeros(1, dtype=torch.float64, device=self.device)
         if is_last_stage():
             for out in outputs:
                 totals[:n] += out["stats"]
                 totals[n] += out["loss_sum"]
                 totals[n + 1] += out["entropy_sum"]
+                totals[n + 2] += out["units"]
                 ratio_max = torch.maximum(ratio_max, out["stats"][STAT_NAMES.index("ratio_max")].reshape(1))
         dp = parallel_state.get_data_parallel_group()
         dist.all_reduce(totals, group=dp)
@@ -208,6 +217,6 @@ class PolicyTrainer:
         stats = dict(zip(STAT_NAMES, totals[:n].tolist()))
         stats["ratio_max"] = ratio_max.item()
         tokens = max(stats["num_tokens"], 1.0)
-        return StepResult(loss=totals[n].item() / tokens, grad_norm=math.nan, lr=lr, stats=stats,
-                          entropy_mean=totals[n + 1].item() / tokens)
+        return StepResult(loss=totals[n].item() / max(totals[n + 2].item(), 1.0), grad_norm=math.nan, lr=lr,
+                          stats=stats, entropy_mean=totals[n + 1].item() / tokens)
 

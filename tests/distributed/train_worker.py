@@ -1,7 +1,8 @@
 """torchrun worker: one training step at the layouts a world size allows, and a few Adam steps.
 
-argv: OUT_DIR LAYOUT [LAYOUT ...], a layout being tp,pp,micro_batch_tokens[,r] (r: full activation
-recompute, model.activation_recompute "full"). Per layout the weight change of one Adam step, gathered to
+argv: OUT_DIR LAYOUT [LAYOUT ...], a layout being tp,pp,micro_batch_tokens[,r][,s] (r: full activation
+recompute, model.activation_recompute "full"; s: loss.aggregation "sample", whose record also holds the loss by
+its float64 definition over transformers' log-probs). Per layout the weight change of one Adam step, gathered to
 HF names, goes to OUT_DIR/{tag}-stage{pp_rank}.pt from the ranks with tp_rank = dp_rank = 0; the step's
 loss and grad norm to OUT_DIR/{tag}.json, with how many layer checkpoints megatron-core made on each rank.
 Layout "adam" runs 6 Adam steps at TP=2 and records the loss; "nan" poisons one micro-batch (nan.json); "bf16"
@@ -19,6 +20,7 @@ from tiny_models import PARITY_DTYPE, hf_model, hf_response_logprobs, sequences
 from megatron_dapo.checkpoint.hf_mapping import hf_tensors, tp_dim
 from megatron_dapo.checkpoint.hf_weights import global_name, layer_offset, load_policy_weights
 from megatron_dapo.config import ParallelConfig
+from megatron_dapo.ops.dapo_loss_reference import sample_level_loss_reference
 from megatron_dapo.parallel.runtime import init_runtime, reset_parallel_layout, shutdown_runtime
 from megatron_dapo.policy.batch import micro_batches
 from megatron_dapo.policy.hf_config import model_spec_from_hf
@@ -160,27 +162,38 @@ def nan_case(out_dir, spec, hf):
     reset_parallel_layout()
 
 
+def sample_level_reference(hf, samples, loss):
+    """The step's loss by GRPO's sample-level definition, in float64 over transformers' log-probs."""
+    seqs = [s.sequence for s in samples]
+    logp = torch.cat([lp for lp, _ in hf_response_logprobs(hf, seqs)]).double()
+    cat = {name: torch.cat([getattr(s, name) for s in samples]) for name in ("old_logp", "advantages", "loss_mask")}
+    return sample_level_loss_reference(logp, cat["old_logp"].double(), cat["advantages"].double(), cat["loss_mask"],
+                                       [s.sequence.response_len for s in samples], eps_low=loss.eps_low,
+                                       eps_high=loss.eps_high, dual_clip_c=loss.dual_clip_c).item()
+
+
 def run_layout(out_dir, layout, spec, hf):
     from megatron.core import parallel_state
 
     adam = layout == "adam"
     fields = ["2", "1", "200"] if adam else layout.split(",")
-    recompute = fields[3:] == ["r"]
-    if not (len(fields) == 3 or recompute):
-        raise SystemExit(f"bad layout {layout!r}: expected tp,pp,micro_batch_tokens[,r]")
+    recompute, sample_level = "r" in fields[3:], "s" in fields[3:]
+    if len(fields) < 3 or not set(fields[3:]) <= {"r", "s"}:
+        raise SystemExit(f"bad layout {layout!r}: expected tp,pp,micro_batch_tokens[,r][,s]")
     tp, pp, mb_tokens = map(int, fields[:3])
     parallel = ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp, device="cpu", seed=7)
     runtime = init_runtime(parallel)
     # First Adam step with eps >> |g|: the change is lr * g / (|g| + eps), i.e. minus the gradient for lr = eps.
     optim = (OptimConfig(lr=3e-3, warmup_steps=0, weight_decay=0.0, clip_grad=1.0) if adam else
              OptimConfig(lr=1e3, adam_eps=1e3, warmup_steps=0, weight_decay=0.0, clip_grad=0.0))
-    trainer = PolicyTrainer(spec, parallel, runtime.device, optim, LossConfig(dual_clip_c=3.0), mb_tokens,
+    loss = LossConfig(dual_clip_c=3.0, aggregation="sample" if sample_level else "token")
+    trainer = PolicyTrainer(spec, parallel, runtime.device, optim, loss, mb_tokens,
                             activation_recompute="full" if recompute else "none", params_dtype=PARITY_DTYPE)
     load_policy_weights(trainer, hf.state_dict().__getitem__)
     dp, dp_rank = runtime.data_parallel, parallel_state.get_data_parallel_rank()
     samples = batch(hf)
     mine = samples[dp_rank::dp]
-    tag = "adam" if adam else f"tp{tp}-pp{pp}-dp{dp}-mb{mb_tokens}" + ("-r" if recompute else "")
+    tag = "adam" if adam else f"tp{tp}-pp{pp}-dp{dp}-mb{mb_tokens}" + "".join(f"-{f}" for f in fields[3:])
     counts = [None] * dist.get_world_size()
     dist.all_gather_object(counts, len(micro_batches([s.sequence for s in mine], mb_tokens)))
     record = {"micro_batches_per_rank": counts}
@@ -202,6 +215,8 @@ def run_layout(out_dir, layout, spec, hf):
         dist.all_gather_object(checkpoints, counter.calls)
         record.update(loss=result.loss, grad_norm=result.grad_norm, stats=result.stats,
                       layers_per_stage=spec.num_layers // pp, checkpoints_per_rank=checkpoints)
+        if sample_level:
+            record["reference_loss"] = sample_level_reference(hf, samples, loss)
         if parallel_state.get_tensor_model_parallel_rank() == 0 and dp_rank == 0:
             stage = parallel_state.get_pipeline_model_parallel_rank()
             torch.save({k: after[k] - before[k] for k in after}, os.path.join(out_dir, f"{tag}-stage{stage}.pt"))

@@ -1,0 +1,36 @@
+"""How a step's per-token loss terms are averaged: the one rule both the trainer and the config use.
+
+"token" (DAPO, the default): every loss token of the step weighs the same, so a long response moves the update
+in proportion to its length. "sample" (GRPO): each response's terms are averaged over its own loss tokens first,
+then the responses are averaged, so every response weighs the same whatever its length. Both are the fused op's
+one weighted token sum: "sample" weights each token by 1 / (its response's loss tokens) and divides by the number
+of responses with a loss token instead of the number of loss tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+AGGREGATIONS = ("token", "sample")
+
+
+def check_aggregation(aggregation: str) -> None:
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(f"must be one of {', '.join(map(repr, AGGREGATIONS))}, got {aggregation!r}")
+
+
+def aggregation_weights(masks: Sequence[torch.Tensor], aggregation: str) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """For the responses' loss masks (bool, one per response, in the order their tokens are packed): the per-token
+    weights to multiply into the loss (float32; None: all 1) and what this part of the step adds to the
+    normaliser (loss tokens, or responses with at least one loss token), a 0-d int tensor on the masks' device.
+    Nothing is read on the host: on a GPU this runs once per micro-batch."""
+    check_aggregation(aggregation)
+    mask = torch.cat(list(masks))
+    if aggregation == "token":
+        return None, mask.sum().to(torch.int)
+    lens = torch.tensor([m.numel() for m in masks], device=mask.device)
+    response = torch.repeat_interleave(torch.arange(len(masks), device=mask.device), lens, output_size=mask.numel())
+    counts = torch.zeros(len(masks), device=mask.device).index_add_(0, response, mask.float())
+    return mask.float() / counts.clamp_min(1.0)[response], (counts > 0).sum().to(torch.int)
