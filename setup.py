@@ -52,7 +52,7 @@ def _extension():
     print(f"megatron-dapo: building the CUDA kernels: {with_cuda} ({why})")
     # No FP-exception semantics needed: lets gcc turn the per-token selects into vector blends.
     cxx = ["-O3", "-fopenmp-simd", "-fno-trapping-math"]
-    sources = ["csrc/bindings.cpp", "csrc/dapo_loss_cpu.cpp"]
+    sources = ["csrc/bindings.cpp", "csrc/dapo_loss_autograd.cpp", "csrc/dapo_loss_cpu.cpp"]
     if not with_cuda:
         return CppExtension("megatron_dapo._C", sources, extra_compile_args={"cxx": cxx})
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")

@@ -2,8 +2,9 @@
 counts where the kernels take next to nothing, so the time left is Python, autograd and dispatch (the same code
 path on every device). Side by side in one run:
 
-- kernel: `torch.ops.megatron_dapo.dapo_loss_fwd` alone (no autograd: the floor of one launch);
-- op + autograd: the same op with the gradient, through its registered autograd and backward;
+- kernel: `torch.ops.megatron_dapo.dapo_loss_fwd` alone, the gradient computed (no autograd: the floor of one
+  launch);
+- op + autograd: `torch.ops.megatron_dapo.dapo_loss`, forward + backward through its autograd (C++);
 - dapo_loss: the public function (checks, the op, the stats), forward + backward.
 
     python bench/bench_dapo_loss_overhead.py [--tokens 16 100000] [--device cpu cuda] [--reps 2000]
@@ -31,14 +32,14 @@ def inputs(n: int, device: str):
 
 def variants(logp, old, adv, mask):
     n = float(logp.numel())
-    op = torch.ops.megatron_dapo.dapo_loss_fwd
+    ops = torch.ops.megatron_dapo
 
     def kernel():
-        op(logp, old, adv, mask, 0.2, 0.28, n, 3.0, 20.0, True)
+        ops.dapo_loss_fwd(logp, old, adv, mask, 0.2, 0.28, n, 3.0, 20.0, True)
 
     def op_autograd():
         x = logp.detach().requires_grad_()
-        op(x, old, adv, mask, 0.2, 0.28, n, 3.0, 20.0, True)[0].backward()
+        ops.dapo_loss(x, old, adv, mask, 0.2, 0.28, n, 3.0, 20.0)[0].backward()
 
     def public():
         x = logp.detach().requires_grad_()

@@ -1,5 +1,6 @@
 // Registers the fused DAPO loss with torch.library: argument checks that name the bad argument,
-// output allocation, and the device dispatch. The math lives in dapo_loss_math.h.
+// output allocation, and the device dispatch. The math lives in dapo_loss_math.h, the autograd in
+// dapo_loss_autograd.cpp.
 #include <torch/extension.h>
 #include <torch/library.h>
 
@@ -72,6 +73,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dapo_loss_fwd(const at::Tensor& l
   return {loss, stats, grad};
 }
 
+// dapo_loss where no gradient is wanted (below autograd, or nothing requires one): the loss and stats alone.
+std::tuple<at::Tensor, at::Tensor> dapo_loss_no_grad(const at::Tensor& logp, const at::Tensor& old_logp,
+                                                     const at::Tensor& advantages, const at::Tensor& mask,
+                                                     double eps_low, double eps_high, double normalizer,
+                                                     std::optional<double> dual_clip_c, double log_ratio_clamp) {
+  auto [loss, stats, grad] = dapo_loss_fwd(logp, old_logp, advantages, mask, eps_low, eps_high, normalizer,
+                                           dual_clip_c, log_ratio_clamp, /*compute_grad=*/false);
+  return {loss, stats};
+}
+
 void dapo_loss_scale_grad_(at::Tensor& grad, const at::Tensor& grad_output) {
   TORCH_CHECK_VALUE(grad_output.numel() == 1, "dapo_loss backward: grad_output must hold one element, got ",
                     grad_output.sizes());
@@ -91,12 +102,21 @@ void dapo_loss_scale_grad_(at::Tensor& grad, const at::Tensor& grad_output) {
 }  // namespace megatron_dapo
 
 TORCH_LIBRARY(megatron_dapo, m) {
+  // The loss and its stats, differentiable in logp (what megatron_dapo.ops.dapo_loss calls).
+  m.def(
+      "dapo_loss(Tensor logp, Tensor old_logp, Tensor advantages, Tensor mask, float eps_low, float eps_high, "
+      "float normalizer, float? dual_clip_c, float log_ratio_clamp) -> (Tensor loss, Tensor stats)");
+  // The kernel: the loss, its stats and, with compute_grad, d loss / d logp for a unit upstream gradient.
   m.def(
       "dapo_loss_fwd(Tensor logp, Tensor old_logp, Tensor advantages, Tensor mask, float eps_low, "
       "float eps_high, float normalizer, float? dual_clip_c, float log_ratio_clamp, bool compute_grad) "
       "-> (Tensor loss, Tensor stats, Tensor grad)");
   // Multiplies the forward's unit gradient by the upstream gradient, in place; skips the pass when it is 1.
   m.def("dapo_loss_scale_grad_(Tensor(a!) grad, Tensor grad_output) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(megatron_dapo, CompositeExplicitAutograd, m) {
+  m.impl("dapo_loss", &megatron_dapo::dapo_loss_no_grad);
 }
 
 TORCH_LIBRARY_IMPL(megatron_dapo, CPU, m) {

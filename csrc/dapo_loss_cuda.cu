@@ -2,6 +2,7 @@
 // writes the gradient once (17 bytes per fp32 token with a bool mask); per-block partial sums go to
 // a small buffer that one block then reduces in a fixed order, so results are run-to-run identical.
 #include <ATen/Dispatch.h>
+#include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -150,10 +151,9 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// ATen reads each device's properties once: a cudaDeviceGetAttribute per launch cost host time on every call.
 int sm_count(int device) {
-  int sms = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  return sms;
+  return at::cuda::getDeviceProperties(static_cast<c10::DeviceIndex>(device))->multiProcessorCount;
 }
 
 template <int VEC, typename T>

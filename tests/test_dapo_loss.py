@@ -263,6 +263,30 @@ def test_registered_op_passes_opcheck():
                               test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
 
 
+def test_the_differentiable_op_passes_opcheck_its_autograd_included():
+    """torch.ops.megatron_dapo.dapo_loss: its autograd registered in C++, its fake for the compiler."""
+    logp, old_logp, adv, mask = make_batch(257, 1)
+    for requires_grad in (True, False):
+        args = (logp.clone().requires_grad_(requires_grad), old_logp, adv, mask, EPS_LOW, EPS_HIGH, 100.0, 3.0, 20.0)
+        torch.library.opcheck(torch.ops.megatron_dapo.dapo_loss.default, args)
+
+
+def test_the_saved_gradient_is_scaled_in_place_unless_the_graph_is_kept():
+    """The backward hands out the forward's gradient buffer, scaled where it lies, when nothing reads it again."""
+    logp, old_logp, adv, mask = make_batch(1_000, 4)
+    grads = {}
+    for retain in (False, True):
+        saved = []
+        x = logp.clone().requires_grad_()
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            loss, _ = dapo_loss(x, old_logp, adv, mask, normalizer=500, **KW)
+        (3.0 * loss).backward(retain_graph=retain)
+        (buffer,) = saved
+        assert torch.equal(buffer, x.grad) is not retain  # scaled in place, or left for the next backward
+        grads[retain] = x.grad
+    torch.testing.assert_close(grads[False], grads[True])
+
+
 def test_torch_compile_traces_the_op_without_graph_breaks():
     logp, old_logp, adv, mask = make_batch(10_000, 12)
 

@@ -1,8 +1,10 @@
-"""Fused DAPO loss: the C++/CUDA kernel (csrc/) as a torch.library op with a thin autograd wrapper.
+"""Fused DAPO loss: the C++/CUDA kernel (csrc/) as a torch.library op, its autograd in C++ too.
 
 One kernel pass computes the token-level clipped-surrogate loss, its stats and d loss / d logp; the
-backward only scales that saved gradient by the upstream gradient, in place unless the graph is
-retained, and the kernel skips even that when the upstream gradient is 1 (loss.backward()). The readable definition is dapo_loss_reference.
+backward (csrc/dapo_loss_autograd.cpp) only scales that saved gradient by the upstream gradient, in place
+unless the graph is retained, and the kernel skips even that when the upstream gradient is 1
+(loss.backward()). Here: the checks, and the shapes the compiler traces with. The readable definition is
+dapo_loss_reference.
 """
 
 from __future__ import annotations
@@ -40,46 +42,16 @@ if _EXTENSION_ERROR is None:
         grad = torch.empty_like(logp) if compute_grad else logp.new_empty((0,))
         return loss, stats, grad
 
+    @torch.library.register_fake("megatron_dapo::dapo_loss")
+    def _dapo_loss_fake(logp, old_logp, advantages, mask, eps_low, eps_high, normalizer, dual_clip_c,
+                        log_ratio_clamp):
+        loss, stats, _ = _dapo_loss_fwd_fake(logp, old_logp, advantages, mask, eps_low, eps_high, normalizer,
+                                             dual_clip_c, log_ratio_clamp, False)
+        return loss, stats
+
     @torch.library.register_fake("megatron_dapo::dapo_loss_scale_grad_")
     def _dapo_loss_scale_grad_fake(grad, grad_output):
         return None
-
-    def _may_scale_in_place(unit_grad: torch.Tensor) -> bool:
-        """True in an eager backward that frees the graph after this node runs.
-
-        Not when the graph is retained (retain_graph=True, gradcheck: another backward reads the buffer
-        again) nor while tracing (torch.compile, AOT: the compiler fuses the product itself).
-        """
-        if torch.compiler.is_compiling() or torch._subclasses.fake_tensor.is_fake(unit_grad):
-            return False
-        keep_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
-        return keep_graph is not None and not keep_graph()
-
-    def _setup_context(ctx, inputs, output):
-        _, stats, unit_grad = output
-        ctx.compute_grad = inputs[-1]
-        ctx.mark_non_differentiable(stats, unit_grad)
-        ctx.set_materialize_grads(False)  # else autograd fills a zero gradient as large as unit_grad
-        ctx.save_for_backward(unit_grad)
-
-    def _backward(ctx, grad_loss, grad_stats, grad_unit):
-        with no_host_sync("dapo_loss's backward"):
-            return _scaled_grad(ctx, grad_loss)
-
-    def _scaled_grad(ctx, grad_loss):
-        if not ctx.compute_grad:
-            raise RuntimeError("dapo_loss_fwd ran with compute_grad=False; call megatron_dapo.ops.dapo_loss instead")
-        if grad_loss is None:  # the loss did not reach the graph's output
-            return (None,) * 10
-        (unit_grad,) = ctx.saved_tensors
-        if not _may_scale_in_place(unit_grad):
-            return (unit_grad * grad_loss.to(unit_grad.dtype),) + (None,) * 9
-        # The buffer is this node's to hand out: scale it in place, which the kernel skips when grad_loss
-        # is 1 (loss.backward()), so the whole backward moves no memory.
-        torch.ops.megatron_dapo.dapo_loss_scale_grad_(unit_grad, grad_loss)
-        return (unit_grad,) + (None,) * 9
-
-    torch.library.register_autograd("megatron_dapo::dapo_loss_fwd", _backward, setup_context=_setup_context)
 
 
 def dapo_loss(
@@ -116,11 +88,10 @@ def dapo_loss(
     )
     if _EXTENSION_ERROR is not None:
         raise RuntimeError(_EXTENSION_ERROR)
-    compute_grad = torch.is_grad_enabled() and logp.requires_grad
     with no_host_sync("dapo_loss"):
-        loss, stats, _ = torch.ops.megatron_dapo.dapo_loss_fwd(
+        loss, stats = torch.ops.megatron_dapo.dapo_loss(
             logp, old_logp, advantages, mask, float(eps_low), float(eps_high), normalizer,
-            None if dual_clip_c is None else float(dual_clip_c), float(log_ratio_clamp), compute_grad,
+            None if dual_clip_c is None else float(dual_clip_c), float(log_ratio_clamp),
         )
         if kl_coef > 0.0:
             loss = loss + kl_coef * kl_penalty(logp, ref_logp, mask, kl_type=kl_type, normalizer=normalizer)
