@@ -1,9 +1,10 @@
-"""The log-prob and attention memory benchmarks run on the CPU under the device-faithful mode, at tiny sizes: a
-host / device slip in a bench fails here rather than on a GPU, and a worker that dies fails its bench at once,
-naming it."""
+"""The log-prob, attention memory, train-step and export benchmarks run on the CPU under the device-faithful mode, at tiny
+sizes: a host / device slip in a bench fails here rather than on a GPU, and a worker that dies fails its bench at
+once, naming it."""
 
 import multiprocessing as mp
 import os
+import re
 import subprocess
 import sys
 import time
@@ -44,6 +45,24 @@ def test_the_attention_memory_bench_runs_device_faithful_and_names_the_sdpa_kern
     (row,) = table(out, "tokens")
     assert row[0] == "128" and "median time of 3" in out
     assert " ".join(row[7:]) in ("flash (cpu)", "math"), row  # torch's CPU kernels
+
+
+def test_the_train_step_bench_runs_device_faithful_with_its_time_split_and_preflights_estimate():
+    """The tiny model of bench/bench_train_step.py at the GPU's precision and placement; its figures are the GPU's
+    to give, and only their shape is held here."""
+    out = bench("bench_train_step.py", "--tiny", "--tokens", "2048", "--micro-batch-tokens", "1024", "--steps", "1")
+    assert "bfloat16" in out and re.search(r"^tokens/s +\d+", out, re.M) and re.search(r"^MFU vs GEMM +[\d.]+ %", out, re.M)
+    parts = dict(re.findall(r"^time (.+?) +[\d.]+ s +([\d.]+) %", out, re.M))
+    assert list(parts) == ["forward", "log-probs + loss", "optimizer", "backward + reduction"], out
+    assert all(float(v) > 0 for v in parts.values()), parts
+    assert re.search(r"^peak memory +n/a on the CPU .*; preflight [\d.]+ GB", out, re.M)
+
+
+def test_the_export_bench_moves_every_byte_of_the_model_through_the_buckets():
+    out = bench("bench_export.py", "--tiny", "--bucket-mb", "0.02", "--repeats", "2")
+    buckets = int(re.search(r"TP 1, (\d+) buckets", out).group(1))
+    assert buckets > 2, out  # the model spread over several buckets; the bench checks every byte arrived
+    assert re.search(r"^export / copy +[\d.]+ of the copy's bandwidth", out, re.M)
 
 
 @pytest.mark.parametrize("layout", ["alone", "beside a live one"])

@@ -145,7 +145,12 @@ class MetricsLogger:
             self._writer.close()
             self._writer = None
         if self._wandb is not None:
+            import wandb
+
             self._wandb.finish()
+            # finish() may return before wandb's service has written the run out (a resumed offline run's file
+            # was read without its history once, on a loaded machine); teardown waits for all of it.
+            wandb.teardown()
             self._wandb = None
 
     def __enter__(self) -> MetricsLogger:

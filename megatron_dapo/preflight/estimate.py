@@ -6,7 +6,7 @@ data.max_prompt_len, every micro-batch holds model.max_tokens_per_micro_batch to
 Trainer, per GPU (one tensor-parallel rank of one pipeline stage s):
   weights      the stage's parameters / TP (the vocabulary-parallel embedding on the first stage; the final
                norm and the output layer on the last; tied embeddings are one tensor at PP = 1 and a copy on
-               the last stage otherwise), 2 bytes each (bf16 on GPUs; fp32, 4 bytes, on CPUs)
+               the last stage otherwise), at model.dtype: 2 bytes each in bf16 (the default on GPUs), 4 in fp32
   grads        4 bytes per parameter: our DDP reduces gradients in fp32 (grad_reduce_in_fp32)
   optimizer    Adam's m and v, plus an fp32 master copy of bf16 weights: 12 bytes per parameter (8 for fp32
                weights), divided by DP with optim.distributed_optimizer
@@ -56,6 +56,7 @@ from pathlib import Path
 
 from megatron_dapo.checkpoint.hf_mapping import expected_hf_names, hf_shape, megatron_names, megatron_shape, tp_dim
 from megatron_dapo.config import ConfigError
+from megatron_dapo.parallel.runtime import builds_for_gpu
 from megatron_dapo.policy.hf_config import ModelSpec, model_spec_from_hf
 from megatron_dapo.policy.logprobs import CHUNK_ELEMENTS
 from megatron_dapo.policy.model import check_divisibility, padded_vocab_size
@@ -109,9 +110,10 @@ def model_parameters(spec: ModelSpec) -> int:
 
 
 def trainer_bytes_per_parameter(cfg: DapoConfig) -> tuple[int, int]:
-    """(weights, optimizer state): bf16 weights with an fp32 master copy and Adam's m and v on GPUs; fp32 weights
-    and m and v on CPUs."""
-    return (2, 12) if cfg.parallel.device == "cuda" else (4, 8)
+    """(weights, optimizer state) at the dtype the run trains in (model.dtype): bf16 weights with an fp32 master
+    copy and Adam's m and v, or fp32 weights with m and v."""
+    bf16 = cfg.model.training_dtype(builds_for_gpu(cfg.parallel)) == "bfloat16"
+    return (2, 12) if bf16 else (4, 8)
 
 
 @dataclass(frozen=True)

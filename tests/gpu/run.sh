@@ -8,8 +8,9 @@
 # 2. installs the wheels in tests/gpu/wheels (megatron-core, math-verify, ...) into a folder put on
 #    PYTHONPATH after the repository;
 # 3. runs each check under a time limit, going on after a failure: the CUDA tests of the fused op, its
-#    benchmark, the policy in bf16 against transformers, a short DAPO run end to end (tests/gpu/e2e_dapo.py),
-#    the log-prob memory benchmark, the SDPA attention's memory at 22.5k tokens against megatron's;
+#    benchmark and host overhead, the policy in bf16 against transformers, a short DAPO run end to end
+#    (tests/gpu/e2e_dapo.py), a train step's MFU and peak memory against preflight's, the weights' export
+#    bandwidth, the log-prob memory benchmark, the SDPA attention's memory at 22.5k tokens against megatron's;
 # 4. writes the summary table (step, status, seconds, key figures) to ${OUT:-tests/gpu/results}/gpu_check.md,
 #    each step's log beside it, prints it, and exits 1 if any step failed.
 # Settings: PY, OUT, TORCH_CUDA_ARCH_LIST, GPU_CHECK_BUDGET_S (default 440: the seconds all steps may take).
@@ -116,6 +117,17 @@ attention_figures() { # the longest row: tokens, megatron GiB, sdpa GiB, median 
         split(row, f, " "); printf "%s tokens: sdpa %s GiB vs megatron %s GiB, %s s vs %s s (median), %s kernel\n",
             f[1], f[3], f[2], f[6], f[5], f[8] } }' "$1"
 }
+train_step_figures() { # tokens/s, model TFLOP/s, MFU against the GEMM and the peak, peak memory against preflight
+    awk '/^tokens\/s/ { t = $2 } /^model TFLOP\/s/ { f = $3 } /^GEMM TFLOP\/s/ { g = $3 }
+        /^MFU vs GEMM/ { mg = $4 } /^MFU vs peak/ { mp = $4 }
+        /^peak memory/ { sub(/^peak memory +/, ""); mem = $0 }
+        END { if (t != "") printf "%s tokens/s, %s TFLOP/s = %s %% of a %s TFLOP/s GEMM, %s %% of peak; %s\n",
+            t, f, mg, g, mp, mem }' "$1"
+}
+export_figures() { # the export's GB/s and its share of a device copy
+    awk '/^export s/ { e = $4 } /^device copy s/ { c = $5 } /^export \/ copy/ { r = $4 }
+        END { if (e != "") printf "export %s GB/s, device copy %s GB/s: %s of it\n", e, c, r }' "$1"
+}
 memory_figures() { # TP=1 row: ours GiB, naive GiB, ratio
     awk '/^== cuda:/ { cuda = 1 }
         cuda && $1 == "1" { printf "TP=1: %s GiB vs naive %s GiB (%s)\n", $2, $3, $4; exit }' "$1"
@@ -211,6 +223,8 @@ run_step "fused op host overhead" 60 overhead_figures "$PY" bench/bench_dapo_los
 run_step "policy bf16 vs transformers" 90 policy_figures "$PY" -m pytest tests/gpu/test_policy_cuda.py -q -s -rfE \
     -p no:cacheprovider
 run_step "DAPO end to end (1 GPU)" 240 figures_lines "$PY" tests/gpu/e2e_dapo.py --device cuda --out "$out/e2e_dapo"
+run_step "train step (Qwen2.5-1.5B shape)" 120 train_step_figures "$PY" bench/bench_train_step.py --device cuda
+run_step "weight export (Qwen2.5-1.5B shape)" 60 export_figures "$PY" bench/bench_export.py --device cuda
 run_step "log-prob memory benchmark" 60 memory_figures "$PY" bench/bench_logprobs_memory.py --device cuda --tp 1
 # The local spec's attention without TE at the paper's length: one Qwen2.5-7B layer at TP4 (7 heads, 1 KV group).
 run_step "attention memory at 22.5k tokens" 90 attention_figures "$PY" bench/bench_attention_memory.py --device cuda \
