@@ -47,6 +47,20 @@ def test_low_precision_error_within_twice_the_reference(dtype):
     assert rel_err(grad_g.cpu()[keep], grad_64[keep]) <= 2 * rel_err(grad_r[keep], grad_64[keep]) + 1e-6
 
 
+def test_forward_and_backward_never_wait_for_the_gpu():
+    """No device-to-host read inside dapo_loss, its C++ backward included: CUDA's sync debug mode raises on one."""
+    logp, old_logp, adv, mask = to_cuda(make_batch(100_000, 9))
+    x = logp.clone().requires_grad_()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        loss, stats = dapo_loss(x, old_logp, adv, mask, normalizer=50_000, dual_clip_c=3.0, **KW)
+        (2.0 * loss).backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert x.grad is not None and stats.num_tokens.item() > 0
+
+
 def test_gradcheck_float64():
     logp, old_logp, adv, mask = make_batch(256, 7, dtype=torch.float64, spread=0.5)
     keep = away_from_clip_edges(logp, old_logp, 2.5, margin=1e-3)
