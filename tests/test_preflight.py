@@ -103,6 +103,20 @@ def test_activation_recompute_fits_the_32b_config_in_80gb():
     assert "model.activation_recompute: full:" not in off
 
 
+def test_a_kl_term_adds_the_reference_policys_weights():
+    """A KL term (algorithm.preset grpo keeps one) holds a reference policy: a second copy of each stage's weights."""
+    from megatron_dapo.preflight.estimate import trainer_layout, trainer_memory
+
+    def stage0(*overrides):
+        cfg = load_config(QWEN_7B, list(overrides))
+        spec, _ = model_architecture(cfg.model.path)
+        return trainer_memory(cfg, spec, trainer_layout(cfg, spec, None))[0]
+
+    without, with_kl = stage0(), stage0("loss.kl_coef=0.04")
+    assert with_kl.weights == 2 * without.weights
+    assert (with_kl.grads, with_kl.optimizer) == (without.grads, without.optimizer)
+
+
 def test_the_gpu_count_sets_data_parallel_and_must_divide():
     assert "16 GPUs = TP4 x PP2 x DP2" in preflight(load_config(QWEN_7B)).text  # as many as the servers use
     assert "32 GPUs = TP4 x PP2 x DP4" in preflight(load_config(QWEN_7B), Hardware(gpus=32)).text

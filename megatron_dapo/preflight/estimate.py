@@ -6,7 +6,8 @@ data.max_prompt_len, every micro-batch holds model.max_tokens_per_micro_batch to
 Trainer, per GPU (one tensor-parallel rank of one pipeline stage s):
   weights      the stage's parameters / TP (the vocabulary-parallel embedding on the first stage; the final
                norm and the output layer on the last; tied embeddings are one tensor at PP = 1 and a copy on
-               the last stage otherwise), at model.dtype: 2 bytes each in bf16 (the default on GPUs), 4 in fp32
+               the last stage otherwise), at model.dtype: 2 bytes each in bf16 (the default on GPUs), 4 in fp32;
+               twice that with a KL term (loss.kl_coef > 0): the reference policy's stage sits beside it
   grads        4 bytes per parameter: our DDP reduces gradients in fp32 (grad_reduce_in_fp32)
   optimizer    Adam's m and v, plus an fp32 master copy of bf16 weights: 12 bytes per parameter (8 for fp32
                weights), divided by DP with optim.distributed_optimizer
@@ -220,7 +221,9 @@ def trainer_memory(cfg: DapoConfig, spec: ModelSpec, layout: Layout) -> list[Tra
     layers = spec.num_layers // pp
     columns = padded_vocab_size(spec.vocab_size, tp) // tp
     logits = tokens * columns * dtype_bytes + min(CHUNK_ELEMENTS, tokens * columns) * 4
-    return [TrainerMemory(stage=s, layers=layers, weights=n * dtype_bytes, grads=n * 4, optimizer=n * optimizer_bytes,
+    copies = 2 if cfg.loss.kl_coef > 0 else 1  # the policy, and the KL term's reference
+    return [TrainerMemory(stage=s, layers=layers, weights=copies * n * dtype_bytes, grads=n * 4,
+                          optimizer=n * optimizer_bytes,
                           activations=kept_per_layer * tokens * layers * min(pp - s, micro_batches) + recomputing,
                           logits=logits if s == pp - 1 else 0.0, recompute=recompute)
             for s, n in enumerate(stage_parameters(spec, tp, pp))]
