@@ -24,7 +24,7 @@ def batch():
 
 
 def weighted_op_loss(aggregation, logp, old, adv, mask, dual_clip_c=None):
-    weights, units = aggregation_weights(list(mask.split(LENS)), aggregation)
+    weights, units = aggregation_weights(mask, LENS, aggregation)
     weighted = mask if weights is None else weights  # float32: the op's weighted-mask dtype
     return run(dapo_loss, logp, old, adv, weighted, normalizer=units, dual_clip_c=dual_clip_c)
 
@@ -39,7 +39,7 @@ def test_sample_level_is_the_mean_over_responses_of_their_token_means(dual_clip_
     # The weights 1 / (a response's loss tokens) are float32, the mask's dtype in the op: float32's rounding.
     assert loss.item() == pytest.approx(expected.item(), rel=1e-6)
     torch.testing.assert_close(grad, x.grad, rtol=1e-6, atol=1e-9)
-    assert int(aggregation_weights(list(mask.split(LENS)), "sample")[1]) == len(LENS) - 1
+    assert int(aggregation_weights(mask, LENS, "sample")[1]) == len(LENS) - 1
 
 
 def test_token_level_is_the_op_as_before_and_differs_from_sample_level():

@@ -37,7 +37,7 @@ class Policy:
     def reference_after(self, steps_done: int) -> None:
         """After `steps_done` rollout steps: the reference becomes the policy at every reference_refresh_steps-th."""
         if self.reference is not None and self.reference_refresh_steps and steps_done % self.reference_refresh_steps == 0:
-            self.reference.load_state_dict(self.module.state_dict())
+            self._reference_from_policy()
 
     def resumed_at(self, steps_done: int) -> None:
         """A resumed run's reference. The checkpoints of such runs fall on refresh steps (the config requires
@@ -50,6 +50,9 @@ class Policy:
             log.warning("resumed at step %d, between the KL reference's refreshes (loss.kl_ref_refresh_steps %d): "
                         "the reference of step %d was not saved, so the resumed policy becomes the reference now",
                         steps_done, n, steps_done - steps_done % n)
+        self._reference_from_policy()
+
+    def _reference_from_policy(self) -> None:
         self.reference.load_state_dict(self.module.state_dict())
 
 

@@ -21,16 +21,16 @@ def check_aggregation(aggregation: str) -> None:
         raise ValueError(f"must be one of {', '.join(map(repr, AGGREGATIONS))}, got {aggregation!r}")
 
 
-def aggregation_weights(masks: Sequence[torch.Tensor], aggregation: str) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """For the responses' loss masks (bool, one per response, in the order their tokens are packed): the per-token
-    weights to multiply into the loss (float32; None: all 1) and what this part of the step adds to the
-    normaliser (loss tokens, or responses with at least one loss token), a 0-d int tensor on the masks' device.
-    Nothing is read on the host: on a GPU this runs once per micro-batch."""
+def aggregation_weights(mask: torch.Tensor, lengths: Sequence[int],
+                        aggregation: str) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """For a packed loss mask (bool, the responses' tokens back to back, `lengths` long): the per-token weights to
+    multiply into the loss (float32; None: all 1) and what this part of the step adds to the normaliser (loss
+    tokens, or responses with at least one loss token), a 0-d int tensor on the mask's device. Nothing is read on
+    the host: on a GPU this runs once per micro-batch."""
     check_aggregation(aggregation)
-    mask = torch.cat(list(masks))
     if aggregation == "token":
         return None, mask.sum().to(torch.int)
-    lens = torch.tensor([m.numel() for m in masks], device=mask.device)
-    response = torch.repeat_interleave(torch.arange(len(masks), device=mask.device), lens, output_size=mask.numel())
-    counts = torch.zeros(len(masks), device=mask.device).index_add_(0, response, mask.float())
+    lens = torch.tensor(list(lengths)).to(mask.device, non_blocking=True)  # from the host: no wait on the device
+    response = torch.repeat_interleave(torch.arange(len(lens), device=mask.device), lens, output_size=mask.numel())
+    counts = torch.zeros(len(lens), device=mask.device).index_add_(0, response, mask.float())
     return mask.float() / counts.clamp_min(1.0)[response], (counts > 0).sum().to(torch.int)

@@ -160,12 +160,11 @@ class PolicyTrainer:
             old = torch.cat([r.old_logp for r in rows]).to(dev, torch.float32)
             adv = torch.cat([r.advantages for r in rows]).to(dev, torch.float32)
             mask = torch.cat([r.loss_mask for r in rows]).to(dev)
-            weight = torch.cat([r.loss_weight for r in rows]) if weighted else None
-            aggregate, units = aggregation_weights([r.loss_mask for r in rows], self.loss_cfg.aggregation)
+            weight = torch.cat([r.loss_weight for r in rows]).to(dev, torch.float32) if weighted else None
+            aggregate, units = aggregation_weights(mask, [r.sequence.response_len for r in rows],
+                                                   self.loss_cfg.aggregation)  # a token of weight 0 still counts
             if aggregate is not None:
                 weight = aggregate if weight is None else weight * aggregate
-            weight = weight.to(dev, torch.float32) if weight is not None else None
-            units = units.to(dev)  # a token of weight 0 still counts here
             ref = torch.cat([r.ref_logp for r in rows]).to(dev, torch.float32) if with_ref else None
             return model_forward(model, mb, dev), partial(self._loss_func, mb, old, adv, mask, weight, ref, units)
 
