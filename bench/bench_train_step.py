@@ -20,13 +20,22 @@ model and micro-batch (preflight/estimate.py's trainer_memory); on the CPU there
 row says so. On the CPU with MEGATRON_DAPO_DEVICE_FAITHFUL=1 (the suite, --tiny) the step follows the GPU's
 placement and precision.
 
+--fusions measures, side by side in one run, the step as shipped and the step with each of megatron-core's fusions
+that apply to the local layer spec turned on alone (TransformerConfig's flags; a fresh model each): the SwiGLU and
+the residual add through its jit fuser (torch.compile), RoPE and the weight-gradient accumulation, which need
+Transformer Engine or apex kernels (where those are missing the row says why). Each row's step time is given as a
+ratio to the shipped step measured just before it, so the machine's drift stays out of the ratio.
+
     python bench/bench_train_step.py [--device cuda] [--tokens 32768] [--micro-batch-tokens 8192] [--steps 3]
+    python bench/bench_train_step.py --device cuda --fusions --tokens 16384 --steps 2
     python bench/bench_train_step.py --device cpu --tiny       # the suite's size
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import gc
 import math
 import statistics
 import time
@@ -38,6 +47,9 @@ from model_shapes import one_rank
 
 # Dense bf16 peaks from the datasheets (SXM parts), TFLOP/s.
 PEAK_BF16_TFLOPS = {"H200": 989.4, "H100": 989.4, "A100": 312.0}
+# megatron-core's fusions that the local layer spec reaches (masked_softmax_fusion and persist_layer_norm belong to
+# layers it does not use: SDPA attention, torch's RMSNorm).
+FUSIONS = ("bias_activation_fusion", "bias_dropout_fusion", "apply_rope_fusion", "gradient_accumulation_fusion")
 
 
 def lengths(total: int, mb_tokens: int, seed: int) -> list[tuple[int, int]]:
@@ -97,7 +109,9 @@ class Split:
             self.sync()
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
 
-    def wrap(self, owner, attr: str, name: str):
+    @contextmanager
+    def timing(self, owner, attr: str, name: str):
+        """`owner.attr` timed as part `name` while inside."""
         original = getattr(owner, attr)
 
         def timed(*args, **kwargs):
@@ -105,6 +119,10 @@ class Split:
                 return original(*args, **kwargs)
 
         setattr(owner, attr, timed)
+        try:
+            yield
+        finally:
+            setattr(owner, attr, original)
 
 
 def gemm_tflops(n: int, device: torch.device, dtype: torch.dtype) -> float:
@@ -138,6 +156,89 @@ def preflight_bytes(model_dir: Path, device: str, args) -> float:
     return stage.total
 
 
+@contextmanager
+def transformer_config_with(flags: dict[str, bool]):
+    """The policy built with megatron-core's TransformerConfig `flags` set over what policy/model.py chooses."""
+    from megatron_dapo.policy import model
+
+    chosen = model.transformer_config
+    model.transformer_config = lambda *a, **k: dataclasses.replace(chosen(*a, **k), **flags)
+    try:
+        yield
+    finally:
+        model.transformer_config = chosen
+
+
+@dataclasses.dataclass
+class Measured:
+    step_s: float  # median over the measured steps
+    parts: dict[str, float]  # seconds per step
+    peak_bytes: int | None  # the device allocator's peak over the measured steps; None on the CPU
+
+
+def measure(rank, args, samples, flags: dict[str, bool] | None = None) -> Measured:
+    """A fresh PolicyTrainer (with `flags` over the model's TransformerConfig), a warm-up step, then args.steps
+    timed steps on `samples`; the trainer is freed before returning."""
+    from megatron_dapo.config import LossConfig, OptimConfig
+    from megatron_dapo.policy import train_step
+    from megatron_dapo.policy.train_step import PolicyTrainer
+
+    device = rank.device
+    cuda = device.type == "cuda" and torch.cuda.is_available()
+    with transformer_config_with(flags or {}):
+        trainer = PolicyTrainer(rank.spec, rank.parallel, device,
+                                OptimConfig(lr=1e-6, warmup_steps=0, distributed_optimizer=False), LossConfig(),
+                                args.micro_batch_tokens, params_dtype=rank.dtype)
+    split = Split(device)
+    try:
+        with (split.timing(train_step, "model_forward", "forward"),
+              split.timing(trainer, "_loss_func", "log-probs + loss"),
+              split.timing(trainer.optimizer, "step", "optimizer")):
+            trainer.step(samples)  # warm-up: allocations, kernels' first calls, compiled fusions
+            if cuda:
+                torch.cuda.reset_peak_memory_stats(device)
+            split.seconds.clear()
+            totals = []
+            for _ in range(args.steps):
+                with split.part("step"):
+                    trainer.step(samples)
+                totals.append(split.seconds.pop("step"))
+    finally:
+        del trainer
+        gc.collect()
+    step_s = statistics.median(totals)
+    parts = {k: v / args.steps for k, v in split.seconds.items()}
+    parts["backward + reduction"] = step_s - sum(parts.values())
+    peak = torch.cuda.max_memory_allocated(device) if cuda else None
+    if cuda:
+        torch.cuda.empty_cache()
+    return Measured(step_s, parts, peak)
+
+
+def compare_fusions(rank, args, samples, tokens: int) -> None:
+    """The shipped step, then each fusion alone on top of it, each timed right after a shipped step of its own."""
+    rows = []
+    for flag in FUSIONS:
+        try:
+            fused = measure(rank, args, samples, {flag: True})
+        except Exception as error:  # noqa: BLE001 -- a fusion this machine lacks: its row says why
+            rows.append((flag, None, None, str(error).strip().splitlines()[0][:110]))
+            continue
+        shipped = measure(rank, args, samples)
+        rows.append((flag, shipped, fused, ""))
+    print(f"\n== fusions: each alone over the step as shipped (policy/model.py), a fresh model each; step time "
+          f"median of {args.steps}; ratio < 1 is faster ==")
+    print(f"{'fusion':<30} {'shipped s':>10} {'fused s':>10} {'fused/shipped':>14} {'tokens/s fused':>15} "
+          f"{'peak GB shipped':>16} {'peak GB fused':>14}  note")
+    for flag, shipped, fused, note in rows:
+        if fused is None:
+            print(f"{flag:<30} {'-':>10} {'-':>10} {'-':>14} {'-':>15} {'-':>16} {'-':>14}  unavailable: {note}")
+            continue
+        peaks = [f"{m.peak_bytes / 1e9:.2f}" if m.peak_bytes is not None else "n/a" for m in (shipped, fused)]
+        print(f"{flag:<30} {shipped.step_s:>10.4f} {fused.step_s:>10.4f} {fused.step_s / shipped.step_s:>14.3f} "
+              f"{tokens / fused.step_s:>15.0f} {peaks[0]:>16} {peaks[1]:>14}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda")
@@ -147,63 +248,48 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=3, help="measured steps, after one warm-up step")
     parser.add_argument("--gemm-n", type=int, default=8192)
     parser.add_argument("--peak-tflops", type=float, help="the device's dense bf16 peak (default: by its name)")
+    parser.add_argument("--fusions", action="store_true",
+                        help="instead: the step with each of megatron-core's fusions against the step as shipped")
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: nothing to measure")
         return 0
 
-    from megatron_dapo.config import LossConfig, OptimConfig
     from megatron_dapo.parallel.runtime import shutdown_runtime
-    from megatron_dapo.policy import train_step
-    from megatron_dapo.policy.train_step import PolicyTrainer
 
     rank = one_rank(args.device, args.tiny, "bench_train_step_")
-    model_dir, spec, parallel, device, dtype = rank.folder, rank.spec, rank.parallel, rank.device, rank.dtype
-    trainer = PolicyTrainer(spec, parallel, device, OptimConfig(lr=1e-6, warmup_steps=0, distributed_optimizer=False),
-                            LossConfig(), args.micro_batch_tokens, params_dtype=dtype)
-    split = Split(device)
-    split.wrap(train_step, "model_forward", "forward")
-    split.wrap(trainer, "_loss_func", "log-probs + loss")
-    split.wrap(trainer.optimizer, "step", "optimizer")
+    spec, device, dtype = rank.spec, rank.device, rank.dtype
     shape = lengths(args.tokens, args.micro_batch_tokens, seed=0)
     samples = batch(spec, shape, seed=0)
-    trainer.step(samples)  # warm-up: allocations, kernels' first calls
-    cuda = device.type == "cuda" and torch.cuda.is_available()
-    if cuda:
-        torch.cuda.reset_peak_memory_stats(device)
-    split.seconds.clear()
-    totals = []
-    for _ in range(args.steps):
-        with split.part("step"):
-            trainer.step(samples)
-        totals.append(split.seconds.pop("step"))
-    step_s = statistics.median(totals)
-    parts = {k: v / args.steps for k, v in split.seconds.items()}
-    parts["backward + reduction"] = step_s - sum(parts.values())
     tokens = sum(p + r for p, r in shape)
-    tflops = step_flops(spec, shape) / step_s / 1e12
-    gemm = gemm_tflops(args.gemm_n if not args.tiny else 256, device if cuda else torch.device("cpu"),
-                       dtype if cuda else torch.float32)
-    name = torch.cuda.get_device_name(device) if cuda else "cpu"
-    peak = args.peak_tflops or next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
-    estimate = preflight_bytes(model_dir, "cuda" if cuda else args.device, args)
-    shutdown_runtime()
-
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" and torch.cuda.is_available() else "cpu"
     print(f"\n== train step: {'tiny ' if args.tiny else ''}Qwen2.5-1.5B shape, {spec.num_layers} layers, "
           f"{str(dtype).removeprefix('torch.')}, {name}; {len(shape)} sequences, {tokens} tokens in micro-batches of "
           f"{args.micro_batch_tokens}; median of {args.steps} steps ==")
-    print(f"step s          {step_s:.3f}")
-    print(f"tokens/s        {tokens / step_s:.0f}")
+    if args.fusions:
+        compare_fusions(rank, args, samples, tokens)
+        shutdown_runtime()
+        return 0
+    run = measure(rank, args, samples)
+    cuda = run.peak_bytes is not None
+    tflops = step_flops(spec, shape) / run.step_s / 1e12
+    gemm_n = args.gemm_n if not args.tiny else 256
+    gemm = gemm_tflops(gemm_n, device if cuda else torch.device("cpu"), dtype if cuda else torch.float32)
+    peak = args.peak_tflops or next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
+    estimate = preflight_bytes(rank.folder, "cuda" if cuda else args.device, args)
+    shutdown_runtime()
+
+    print(f"step s          {run.step_s:.3f}")
+    print(f"tokens/s        {tokens / run.step_s:.0f}")
     print(f"model TFLOP/s   {tflops:.2f} (attention counted causal, half the square)")
-    print(f"GEMM TFLOP/s    {gemm:.2f} (n = {args.gemm_n if not args.tiny else 256}, measured in this run)")
+    print(f"GEMM TFLOP/s    {gemm:.2f} (n = {gemm_n}, measured in this run)")
     print(f"MFU vs GEMM     {100 * tflops / gemm:.1f} %")
     print(f"MFU vs peak     {f'{100 * tflops / peak:.1f} % of {peak:g} TFLOP/s' if peak else 'n/a (--peak-tflops)'}")
-    for part, seconds in parts.items():
-        print(f"time {part:<20} {seconds:.4f} s  {100 * seconds / step_s:5.1f} %")
+    for part, seconds in run.parts.items():
+        print(f"time {part:<20} {seconds:.4f} s  {100 * seconds / run.step_s:5.1f} %")
     if cuda:
-        measured = torch.cuda.max_memory_allocated(device)
-        print(f"peak memory     {measured / 1e9:.2f} GB measured, {estimate / 1e9:.2f} GB preflight: "
-              f"estimate / measured {estimate / measured:.2f}")
+        print(f"peak memory     {run.peak_bytes / 1e9:.2f} GB measured, {estimate / 1e9:.2f} GB preflight: "
+              f"estimate / measured {estimate / run.peak_bytes:.2f}")
     else:
         print(f"peak memory     n/a on the CPU (no device allocator); preflight {estimate / 1e9:.3f} GB")
     return 0

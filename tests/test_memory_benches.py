@@ -58,6 +58,24 @@ def test_the_train_step_bench_runs_device_faithful_with_its_time_split_and_prefl
     assert re.search(r"^peak memory +n/a on the CPU .*; preflight [\d.]+ GB", out, re.M)
 
 
+@pytest.mark.slow
+def test_the_train_step_bench_sets_each_fusion_alone_and_says_why_one_is_unavailable():
+    """--fusions, as the GPU check runs it: a row per megatron-core fusion the local spec reaches. Those with a
+    torch.compile fuser run here; RoPE's and the weight-gradient accumulation's need Transformer Engine or apex,
+    which this machine (like the bare GPU machine) lacks, and their rows say so instead of failing the bench."""
+    out = bench("bench_train_step.py", "--tiny", "--tokens", "2048", "--micro-batch-tokens", "1024", "--steps", "1",
+                "--fusions")
+    rows = {line.split()[0]: line for line in out[out.index("== fusions:"):].splitlines()
+            if line.split()[:1] and line.split()[0].endswith("_fusion")}
+    assert list(rows) == ["bias_activation_fusion", "bias_dropout_fusion", "apply_rope_fusion",
+                          "gradient_accumulation_fusion"], out
+    for flag in ("bias_activation_fusion", "bias_dropout_fusion"):
+        assert float(rows[flag].split()[3]) > 0, rows[flag]  # fused / shipped step time
+    assert "unavailable: apply_rope_fusion is not available" in rows["apply_rope_fusion"]
+    assert "unavailable: ColumnParallelLinear was called with gradient_accumulation_fusion" in \
+        rows["gradient_accumulation_fusion"]
+
+
 def test_the_export_bench_moves_every_byte_of_the_model_through_the_buckets():
     out = bench("bench_export.py", "--tiny", "--bucket-mb", "0.02", "--repeats", "2")
     buckets = int(re.search(r"TP 1, (\d+) buckets", out).group(1))

@@ -10,7 +10,8 @@
 # 3. runs each check under a time limit, going on after a failure: the CUDA tests of the fused op, its
 #    benchmark and host overhead, the policy in bf16 against transformers, a short DAPO run end to end
 #    (tests/gpu/e2e_dapo.py), a train step's MFU and peak memory against preflight's, the weights' export
-#    bandwidth, the log-prob memory benchmark, the SDPA attention's memory at 22.5k tokens against megatron's;
+#    bandwidth, megatron-core's fusions each against the step as shipped, the log-prob memory benchmark, the
+#    SDPA attention's memory at 22.5k tokens against megatron's;
 # 4. writes the summary table (step, status, seconds, key figures) to ${OUT:-tests/gpu/results}/gpu_check.md,
 #    each step's log beside it, prints it, and exits 1 if any step failed.
 # Settings: PY, OUT, TORCH_CUDA_ARCH_LIST, GPU_CHECK_BUDGET_S (default 440: the seconds all steps may take).
@@ -124,6 +125,11 @@ train_step_figures() { # tokens/s, model TFLOP/s, MFU against the GEMM and the p
         END { if (t != "") printf "%s tokens/s, %s TFLOP/s = %s %% of a %s TFLOP/s GEMM, %s %% of peak; %s\n",
             t, f, mg, g, mp, mem }' "$1"
 }
+fusion_figures() { # per fusion: its step time over the shipped step's, or why it is unavailable
+    awk '/^== fusions:/ { on = 1; next } on && $1 ~ /_fusion$/ {
+        if ($2 == "-") { n = $1; sub(/^[^ ]+ +(- +)+ *unavailable: /, ""); printf "%s: unavailable (%.60s)\n", n, $0 }
+        else printf "%s: fused/shipped %s, peak GB %s -> %s\n", $1, $4, $6, $7 }' "$1"
+}
 export_figures() { # the export's GB/s and its share of a device copy
     awk '/^export s/ { e = $4 } /^device copy s/ { c = $5 } /^export \/ copy/ { r = $4 }
         END { if (e != "") printf "export %s GB/s, device copy %s GB/s: %s of it\n", e, c, r }' "$1"
@@ -225,6 +231,8 @@ run_step "policy bf16 vs transformers" 90 policy_figures "$PY" -m pytest tests/g
 run_step "DAPO end to end (1 GPU)" 240 figures_lines "$PY" tests/gpu/e2e_dapo.py --device cuda --out "$out/e2e_dapo"
 run_step "train step (Qwen2.5-1.5B shape)" 120 train_step_figures "$PY" bench/bench_train_step.py --device cuda
 run_step "weight export (Qwen2.5-1.5B shape)" 60 export_figures "$PY" bench/bench_export.py --device cuda
+run_step "train step fusions" 150 fusion_figures "$PY" bench/bench_train_step.py --device cuda --fusions \
+    --tokens 16384 --steps 2
 run_step "log-prob memory benchmark" 60 memory_figures "$PY" bench/bench_logprobs_memory.py --device cuda --tp 1
 # The local spec's attention without TE at the paper's length: one Qwen2.5-7B layer at TP4 (7 heads, 1 KV group).
 run_step "attention memory at 22.5k tokens" 90 attention_figures "$PY" bench/bench_attention_memory.py --device cuda \
