@@ -24,7 +24,8 @@ import time
 
 import torch
 
-from megatron_dapo.ops import dapo_loss, dapo_loss_reference
+from megatron_dapo.ops.dapo_loss import dapo_loss
+from megatron_dapo.ops.dapo_loss_reference import dapo_loss_reference
 
 KW = dict(eps_low=0.2, eps_high=0.28, dual_clip_c=3.0)
 BYTES_PER_TOKEN = 17

@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from megatron_dapo.ops import dapo_loss
+from megatron_dapo.ops.dapo_loss import dapo_loss
 
 KW = dict(eps_low=0.2, eps_high=0.28, dual_clip_c=3.0)
 

@@ -9,8 +9,7 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass, field
 
-from megatron_dapo.ops.dapo_loss_checks import DapoLossParamError, check_dapo_loss_params
-from megatron_dapo.ops.loss_aggregation import check_aggregation
+from megatron_dapo.ops.loss_settings import DapoLossParamError, check_aggregation, check_dapo_loss_params
 
 
 class ConfigError(ValueError):

@@ -24,7 +24,7 @@ from megatron_dapo.algorithm import (
     sample_rewards,
 )
 from megatron_dapo.config import ConfigError
-from megatron_dapo.ops import dapo_loss
+from megatron_dapo.ops.dapo_loss import dapo_loss
 from megatron_dapo.rollout.engine import Sample, SamplingParams
 
 L_MAX, L_CACHE = 16, 8

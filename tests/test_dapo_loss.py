@@ -6,7 +6,10 @@ import pytest
 import torch
 from dapo_loss_cases import EPS_HIGH, EPS_LOW, KW, away_from_clip_edges, make_batch, rel_err, run
 
-from megatron_dapo.ops import STAT_NAMES, dapo_loss, dapo_loss_reference, extension_error, kl_penalty
+from megatron_dapo.ops.dapo_loss import dapo_loss, extension_error
+from megatron_dapo.ops.dapo_loss_checks import STAT_NAMES
+from megatron_dapo.ops.dapo_loss_reference import dapo_loss_reference
+from megatron_dapo.ops.kl_penalty import kl_penalty
 
 
 def test_extension_is_built():

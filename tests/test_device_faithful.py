@@ -163,7 +163,7 @@ def test_reading_a_device_tensor_on_the_host_inside_a_no_sync_region_raises(fait
 def test_the_fused_loss_forward_and_backward_read_nothing_on_the_host(faithful):
     """The op as the training step calls it, on device tensors, in the mode that refuses host reads inside it;
     a normaliser on the device is refused by name (reading it would be such a sync)."""
-    from megatron_dapo.ops import dapo_loss
+    from megatron_dapo.ops.dapo_loss import dapo_loss
 
     n = 64
     logp = torch.randn(n, device="cuda", dtype=torch.float64).requires_grad_()

@@ -6,7 +6,8 @@ import torch
 from dapo_loss_cases import KW, make_batch, run
 
 from megatron_dapo.config import ConfigError, LossConfig
-from megatron_dapo.ops import dapo_loss, dapo_loss_reference
+from megatron_dapo.ops.dapo_loss import dapo_loss
+from megatron_dapo.ops.dapo_loss_reference import dapo_loss_reference
 from megatron_dapo.ops.dapo_loss_reference import sample_level_loss_reference
 from megatron_dapo.ops.loss_aggregation import aggregation_weights
 

@@ -121,6 +121,14 @@ def test_table_of_responses(pool):
     assert not mismatches, "\n".join(mismatches)
 
 
+def test_a_judging_process_does_not_load_torch(pool):
+    """A run starts a judging process per core it gives the reward: each one that imported torch on the way (the
+    reward's config reads the loss's setting rules) would pay seconds of start-up and hundreds of MB for nothing."""
+    pool.wait_until_ready()
+    for pid in pool.worker_pids():
+        assert "libtorch" not in open(f"/proc/{pid}/maps").read(), f"worker {pid} loaded torch"
+
+
 def test_verdicts_keep_input_order_across_workers(pool):
     truths = [str(i) for i in range(24)]
     verdicts = pool.score([f"Answer: {i if i % 3 else i + 1}" for i in range(24)], truths)

@@ -7,7 +7,7 @@ import time
 from contextlib import contextmanager
 
 from megatron_dapo.config import LossConfig
-from megatron_dapo.ops import STAT_NAMES
+from megatron_dapo.ops.dapo_loss_checks import STAT_NAMES
 from megatron_dapo.policy.mismatch import reduce_mismatch
 
 

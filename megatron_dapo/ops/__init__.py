@@ -1,8 +1,4 @@
-"""Fused operators, each beside the plain PyTorch reference that defines it."""
-
-from megatron_dapo.ops.dapo_loss import dapo_loss, extension_error
-from megatron_dapo.ops.dapo_loss_checks import STAT_NAMES, DapoLossStats
-from megatron_dapo.ops.dapo_loss_reference import dapo_loss_reference
-from megatron_dapo.ops.kl_penalty import kl_penalty
-
-__all__ = ["STAT_NAMES", "DapoLossStats", "dapo_loss", "dapo_loss_reference", "extension_error", "kl_penalty"]
+"""Fused operators, each beside the plain PyTorch reference that defines it: dapo_loss (the kernel's autograd
+wrapper), dapo_loss_reference, kl_penalty, loss_aggregation; loss_settings holds the rules for their settings
+without torch. Import each from its module: the run's config reads loss_settings in processes that never run an
+op (the reward's judging processes), and importing this package must not load torch there."""

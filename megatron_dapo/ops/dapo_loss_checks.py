@@ -7,6 +7,8 @@ from typing import NamedTuple
 
 import torch
 
+from megatron_dapo.ops.loss_settings import check_dapo_loss_params
+
 # Slot order of the stats vector written by the kernels (csrc/dapo_loss_math.h, enum Stat).
 STAT_NAMES = (
     "clipped_low",
@@ -19,8 +21,6 @@ STAT_NAMES = (
 )
 
 LOGP_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-MAX_LOG_RATIO_CLAMP = 80.0  # exp(80) still fits in float32
-KL_TYPES = ("k1", "k3")
 
 
 class DapoLossStats(NamedTuple):
@@ -66,34 +66,6 @@ def _check_tensor(t, name: str, logp: torch.Tensor) -> None:
         raise ValueError(f"dapo_loss: {name} has {t.numel()} tokens but logp has {logp.numel()}")
     if t.device != logp.device:
         raise ValueError(f"dapo_loss: {name} is on {t.device} but logp is on {logp.device}")
-
-
-class DapoLossParamError(ValueError):
-    """A loss setting the op refuses; `param` names it (the config reports it as loss.<param>)."""
-
-    def __init__(self, param: str, message: str):
-        super().__init__(f"dapo_loss: {param} {message}")
-        self.param, self.message = param, message
-
-
-def check_dapo_loss_params(*, eps_low, eps_high, dual_clip_c, log_ratio_clamp, kl_coef, kl_type) -> None:
-    """The op's rules for its settings, in one place: the kernels' checks and the run's config both use them.
-    Messages are formatted only for a setting that fails: the op checks its settings on every call."""
-    rules = [
-        ("eps_low", 0.0 < eps_low < 1.0, "must be in (0, 1), got {eps_low}"),
-        ("eps_high", eps_high > 0.0, "must be > 0, got {eps_high}"),
-        ("dual_clip_c", dual_clip_c is None or dual_clip_c > 1.0,
-         "must be > 1 (or None to turn dual clip off), got {dual_clip_c}"),
-        ("log_ratio_clamp", 0.0 < log_ratio_clamp <= MAX_LOG_RATIO_CLAMP,
-         "must be in (0, {limit}] (exp of it must fit in float32), got {log_ratio_clamp}"),
-        ("kl_type", kl_type in KL_TYPES, "must be one of {kl_types}, got {kl_type!r}"),
-        ("kl_coef", kl_coef >= 0.0, "must be >= 0, got {kl_coef}"),
-    ]
-    for param, ok, message in rules:
-        if not ok:
-            raise DapoLossParamError(param, message.format(
-                eps_low=eps_low, eps_high=eps_high, dual_clip_c=dual_clip_c, log_ratio_clamp=log_ratio_clamp,
-                kl_type=kl_type, kl_coef=kl_coef, limit=MAX_LOG_RATIO_CLAMP, kl_types=KL_TYPES))
 
 
 def check_dapo_loss_args(

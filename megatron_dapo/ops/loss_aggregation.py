@@ -13,12 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-AGGREGATIONS = ("token", "sample")
-
-
-def check_aggregation(aggregation: str) -> None:
-    if aggregation not in AGGREGATIONS:
-        raise ValueError(f"must be one of {', '.join(map(repr, AGGREGATIONS))}, got {aggregation!r}")
+from megatron_dapo.ops.loss_settings import check_aggregation
 
 
 def aggregation_weights(mask: torch.Tensor, lengths: Sequence[int],

@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_dapo.config import LossConfig, OptimConfig, ParallelConfig
-from megatron_dapo.ops import STAT_NAMES, dapo_loss
+from megatron_dapo.ops.dapo_loss import dapo_loss
+from megatron_dapo.ops.dapo_loss_checks import STAT_NAMES
 from megatron_dapo.ops.host_sync import no_host_sync
 from megatron_dapo.ops.loss_aggregation import aggregation_weights
 from megatron_dapo.policy.batch import MicroBatch, Sequence, check_sequences, micro_batches

@@ -5,7 +5,9 @@ import torch
 from dapo_loss_cases import KW, away_from_clip_edges, make_batch, rel_err, run
 
 from megatron_dapo import _C
-from megatron_dapo.ops import STAT_NAMES, dapo_loss, dapo_loss_reference
+from megatron_dapo.ops.dapo_loss import dapo_loss
+from megatron_dapo.ops.dapo_loss_checks import STAT_NAMES
+from megatron_dapo.ops.dapo_loss_reference import dapo_loss_reference
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
