@@ -16,7 +16,6 @@ import torch
 
 from megatron_dapo.algorithm import (
     AlgorithmConfig,
-    DynamicSampler,
     PromptItem,
     group_advantages,
     overlong_loss_mask,
@@ -26,10 +25,11 @@ from megatron_dapo.algorithm import (
 from megatron_dapo.config import ConfigError
 from megatron_dapo.ops.dapo_loss import dapo_loss
 from megatron_dapo.rollout.engine import Sample, SamplingParams
+from megatron_dapo.service.dynamic_sampler import DynamicSampler
 
 L_MAX, L_CACHE = 16, 8
 LENGTHS = {"C": 3, "W": 5, "L": 12, "T": L_MAX}  # L: 4 tokens into the 8-token interval, penalty -0.5
-SAMPLER_LOG = "megatron_dapo.algorithm.dynamic_sampling"
+SAMPLER_LOG = "megatron_dapo.service.dynamic_sampler"
 
 
 # --- a scripted engine and prompt source ---------------------------------------------------------------

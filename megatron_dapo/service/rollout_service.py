@@ -22,7 +22,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from megatron_dapo.algorithm import DynamicSampler
 from megatron_dapo.data.prompt_file import drop_duplicate_rows, load_prompt_rows
 from megatron_dapo.data.prompt_sampler import PromptSampler
 from megatron_dapo.data.prompt_source import PromptSource
@@ -31,6 +30,7 @@ from megatron_dapo.reward import RewardPool
 from megatron_dapo.rollout.engine import SamplingParams, sample_seed
 from megatron_dapo.run_config import DapoConfig
 from megatron_dapo.samples import PromptItem, TrainItem, version_number
+from megatron_dapo.service.dynamic_sampler import DynamicSampler
 from megatron_dapo.service.evaluation import eval_params, evaluate
 
 log = logging.getLogger(__name__)
