@@ -59,3 +59,21 @@ def test_token_level_is_the_op_as_before_and_differs_from_sample_level():
 def test_an_unknown_aggregation_is_refused_by_the_config_naming_the_key():
     with pytest.raises(ConfigError, match=r"loss.aggregation: must be one of 'token', 'sample', got 'seq'"):
         LossConfig(aggregation="seq")
+
+
+@pytest.mark.parametrize("aggregation", ["token", "sample"])
+def test_a_steps_loss_over_several_updates_is_averaged_as_its_aggregation_says(aggregation):
+    """train.updates_per_step > 1: the step's reported loss is each update's loss weighted by what that update
+    averaged over (loss tokens, or responses), i.e. the loss of the whole step's batch under the same rule."""
+    from megatron_dapo.loop.step_metrics import train_metrics
+    from megatron_dapo.ops.dapo_loss_checks import STAT_NAMES
+    from megatron_dapo.policy.train_step import StepResult
+
+    def update(loss, responses, tokens):
+        stats = {**dict.fromkeys(STAT_NAMES, 0.0), "num_tokens": float(tokens)}
+        return StepResult(loss, 1.0, 1e-6, stats, units=float(responses if aggregation == "sample" else tokens))
+
+    # One long response with loss 1, then three 2-token responses with loss 0.
+    out = train_metrics([update(1.0, 1, 100), update(0.0, 3, 6)], None, None,
+                        LossConfig(aggregation=aggregation, old_logprobs="rollout"))
+    assert out["loss"] == pytest.approx(1 / 4 if aggregation == "sample" else 100 / 106)

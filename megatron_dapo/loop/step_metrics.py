@@ -30,7 +30,8 @@ def train_metrics(results, sums, abs_max, loss: LossConfig) -> dict[str, float]:
     stats = {k: sum(r.stats[k] for r in results) for k in STAT_NAMES if k != "ratio_max"}
     loss_tokens = max(stats["num_tokens"], 1.0)
     out = {
-        "loss": sum(r.loss * r.stats["num_tokens"] for r in results) / loss_tokens,
+        # Each update's loss weighted by what it averaged over: the whole batch's loss under loss.aggregation.
+        "loss": sum(r.loss * r.units for r in results) / max(sum(r.units for r in results), 1.0),
         "grad_norm": max((r.grad_norm for r in results if r.applied), default=math.nan),
         "lr": results[-1].lr,
         "clip_frac/low": stats["clipped_low"] / loss_tokens,

@@ -61,6 +61,8 @@ class StepResult:
     grad_norm: float  # NaN when not applied
     lr: float
     stats: dict[str, float] = field(default_factory=dict)  # summed over the step; ratio_max is the max
+    # What `loss` is the mean over: the step's loss tokens, or its responses with a loss token ("sample").
+    units: float = 0.0
     entropy_mean: float = 0.0
     applied: bool = True  # False: the loss or a gradient was not finite and the update was skipped
 
@@ -216,7 +218,7 @@ class PolicyTrainer:
         dist.broadcast(ratio_max, src=last, group=pp)
         stats = dict(zip(STAT_NAMES, totals[:n].tolist()))
         stats["ratio_max"] = ratio_max.item()
-        tokens = max(stats["num_tokens"], 1.0)
-        return StepResult(loss=totals[n].item() / max(totals[n + 2].item(), 1.0), grad_norm=math.nan, lr=lr,
-                          stats=stats, entropy_mean=totals[n + 1].item() / tokens)
+        tokens, units = max(stats["num_tokens"], 1.0), totals[n + 2].item()
+        return StepResult(loss=totals[n].item() / max(units, 1.0), grad_norm=math.nan, lr=lr, stats=stats,
+                          units=units, entropy_mean=totals[n + 1].item() / tokens)
 
