@@ -27,10 +27,11 @@ from pathlib import Path
 
 import torch
 
-from megatron_dapo.algorithm import AlgorithmConfig, DynamicSampler, PromptItem
+from megatron_dapo.algorithm import AlgorithmConfig, PromptItem
 from megatron_dapo.rollout.engine import SamplingParams, sample_seed
 from megatron_dapo.rollout.sglang_engine import SGLangEngine
 from megatron_dapo.rollout.sglang_server import SGLangServer, SGLangServerConfig
+from megatron_dapo.service.dynamic_sampler import DynamicSampler
 
 TESTS = Path(__file__).resolve().parent.parent / "tests" / "distributed"
 SEED = 1234

@@ -1,11 +1,15 @@
 """Data flows one way: a module imports from its own layer and the ones below, never from above (the table of
 layers is README's "The package by layer"). Each part's own settings (its config.py, and the presets that fill
-them) belong to the bottom layer, since the run's config composes them all."""
+them) belong to the bottom layer, since the run's config composes them all. And what the package's users in this
+repository (benches, tools, tests, launchers) import from it exists: a moved name fails here, not in a bench that
+no test runs."""
 
 import ast
+import importlib
 from pathlib import Path
 
-PACKAGE = Path(__file__).parents[1] / "megatron_dapo"
+ROOT = Path(__file__).parents[1]
+PACKAGE = ROOT / "megatron_dapo"
 LAYERS = {
     1: ("config", "run_config", "samples", "ops", "data", "observability", "_C"),
     2: ("policy", "reward", "parallel"),
@@ -53,3 +57,25 @@ def test_no_module_imports_from_a_layer_above_its_own():
                 upward.append(f"{path.relative_to(PACKAGE.parent)}:{line} (layer {layer(source)}) imports {name} "
                               f"(layer {layer(target)})")
     assert not upward, "\n".join(upward)
+
+
+def test_every_name_the_benches_tools_and_tests_import_from_the_package_exists():
+    missing = []
+    for path in sorted(p for folder in ("bench", "tools", "tests", "launch") for p in (ROOT / folder).rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.ImportFrom) and node.level == 0
+                    and (node.module or "").startswith("megatron_dapo")):
+                continue
+            where = f"{path.relative_to(ROOT)}:{node.lineno}"
+            try:
+                module = importlib.import_module(node.module)
+            except ModuleNotFoundError as error:
+                missing.append(f"{where}: {error}")
+                continue
+            for alias in node.names:
+                if not hasattr(module, alias.name):
+                    try:  # a submodule, imported by name
+                        importlib.import_module(f"{node.module}.{alias.name}")
+                    except ModuleNotFoundError:
+                        missing.append(f"{where}: {node.module} has no {alias.name}")
+    assert not missing, "\n".join(missing)

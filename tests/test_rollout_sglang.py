@@ -9,10 +9,11 @@ import pytest
 from conftest import sglang_server_as_started
 from torchrun_launch import torchrun
 
-from megatron_dapo.algorithm import AlgorithmConfig, DynamicSampler, PromptItem
+from megatron_dapo.algorithm import AlgorithmConfig, PromptItem
 from megatron_dapo.rollout.engine import SamplingParams, sample_seed
 from megatron_dapo.rollout.sglang_engine import SGLangEngine
 from megatron_dapo.rollout.sglang_server import SGLangServer, SGLangServerConfig, ServerError
+from megatron_dapo.service.dynamic_sampler import DynamicSampler
 
 pytestmark = pytest.mark.slow
 PROMPTS = ["What is 3 plus 4?", "Compute 12 times 3.", "If x + 2 = 5 then", "A triangle has angles",
