@@ -148,19 +148,23 @@ def test_run_sh_runs_every_step_and_tabulates_failures(source_copy, tmp_path):
 
 
 @pytest.mark.slow
-def test_e2e_dapo_on_cpu_in_device_faithful_mode(demo, tmp_path):
+@pytest.mark.parametrize("preset", ["dapo", "grpo"])
+def test_e2e_dapo_on_cpu_in_device_faithful_mode(demo, tmp_path, preset):
     """The GPU check's end-to-end run at the GPU's precision (bf16 weights, fp32 master copy) on the CPU, with the
     demo's warm model: it learns, resumes and exports. With the master copy taken before the load (as on every
-    GPU run before load_policy_weights) it collapses to accuracy 0 after the first update, and fails."""
+    GPU run before load_policy_weights) it collapses to accuracy 0 after the first update, and fails. GRPO, the
+    baseline, learns too: its sample-level loss and KL term against the initial policy at that precision."""
     env = {**os.environ, "MEGATRON_DAPO_DEVICE_FAITHFUL": "1"}
     result = subprocess.run([sys.executable, str(GPU / "e2e_dapo.py"), "--device", "cpu", "--dtype", "bfloat16",
-                             "--task", str(demo), "--out", str(tmp_path)],
+                             "--task", str(demo), "--out", str(tmp_path), "--preset", preset],
                             capture_output=True, text=True, env=env, timeout=900)
     log = result.stdout + result.stderr
-    assert result.returncode == 0 and "e2e_dapo: PASS" in result.stdout, log[-8000:]
+    assert result.returncode == 0 and f"e2e_dapo ({preset}): PASS" in result.stdout, log[-8000:]
     res = json.loads((tmp_path / "e2e_dapo.json").read_text())
     assert res["dtype"] == "bfloat16" and len(res["steps"]) == 10 and not res["problems"]
     assert all(m["updates"] == 2 and m["groups_kept"] >= 1 for m in res["steps"])
+    if preset == "grpo":  # every group drawn is trained on, and the KL term is on
+        assert all(m["samples_per_kept_sample"] == 1 and "kl_reference" in m for m in res["steps"])
     assert res["eval_after"] >= res["eval_before"] + 0.1 and res["first_update_change"] < 0.05
     assert res["resumed"]["step"] == 10 and res["resumed"]["same_weights"] and res["resumed"]["updates"] == 2
     assert res["max_logprob_diff"] < 0.1 and res["parity_tokens"] > 0

@@ -33,3 +33,15 @@ def test_mismatch_metrics_count_every_loss_token_once(runs, layout):
     for key in ("entropy_sum", "mismatch_k3_sum", "mismatch_abs_sum", "tis_weight_sum", "abs_max"):
         assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), key
     assert abs(got["reference_k3_sum"]) < 1e-6  # the reference has the policy's weights here
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_with_the_engines_logprobs_as_pi_old_the_kl_references_distance_is_still_summed(runs, layout):
+    """loss.old_logprobs "rollout" recomputes nothing, so there is no entropy or mismatch to sum; the KL term's
+    reference is still there, and so is its distance from pi_old (the kl_reference metric of GRPO's runs with the
+    in-process engine)."""
+    got, want = runs[layout]["rollout_metrics"], runs[layout]["expected"]
+    assert got["tokens"] == want["tokens"]
+    assert got["reference_k3_sum"] == pytest.approx(want["rollout_reference_k3_sum"], rel=1e-3)
+    assert got["reference_k3_sum"] > 1e-3  # the engine's log-probs are 0.05-noisy: the distance is not 0
+    assert got["entropy_sum"] == got["mismatch_k3_sum"] == got["abs_max"] == 0

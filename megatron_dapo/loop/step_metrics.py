@@ -44,13 +44,16 @@ def train_metrics(results, sums, abs_max, loss: LossConfig) -> dict[str, float]:
         "updates": len(results),
         "updates_skipped": sum(not r.applied for r in results),
     }
-    if loss.old_logprobs == "rollout":  # no old policy's pass: the entropy of the updates' forwards
+    recomputed = loss.old_logprobs != "rollout"
+    if not recomputed:  # no old policy's pass: the entropy of the updates' forwards, and no mismatch
         out["entropy"] = sum(r.entropy_mean * r.stats["num_tokens"] for r in results) / loss_tokens
-        return out
+        if loss.kl_coef == 0:
+            return out
     m = reduce_mismatch(sums, abs_max)
     tokens = max(m["tokens"], 1.0)
-    out.update({"entropy": m["entropy_sum"] / tokens, "mismatch/kl": m["mismatch_k3_sum"] / tokens,
-                "mismatch/abs_mean": m["mismatch_abs_sum"] / tokens, "mismatch/abs_max": m["abs_max"]})
+    if recomputed:
+        out.update({"entropy": m["entropy_sum"] / tokens, "mismatch/kl": m["mismatch_k3_sum"] / tokens,
+                    "mismatch/abs_mean": m["mismatch_abs_sum"] / tokens, "mismatch/abs_max": m["abs_max"]})
     if loss.kl_coef > 0:  # how far the sampling policy is from the KL term's reference
         out["kl_reference"] = m["reference_k3_sum"] / tokens
     if loss.tis_cap is not None:

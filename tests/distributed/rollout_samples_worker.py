@@ -43,7 +43,10 @@ def items_and_expected(hf):
     expected = {"tokens": r.numel(), "entropy_sum": torch.cat(entropies).sum().item(),
                 "mismatch_k3_sum": (torch.exp(-r) + r - 1).sum().item(), "mismatch_abs_sum": r.abs().sum().item(),
                 "tis_weight_sum": r.exp().clamp(max=TIS_CAP).sum().item(),
-                "tis_capped": (r.exp() > TIS_CAP).sum().item(), "abs_max": r.abs().max().item()}
+                "tis_capped": (r.exp() > TIS_CAP).sum().item(), "abs_max": r.abs().max().item(),
+                # With the engine's log-probs taken as pi_old (loss.old_logprobs "rollout"), the reference (the
+                # policy's weights) is r away from them: k3 of log pi_ref - log pi_old.
+                "rollout_reference_k3_sum": (torch.exp(r) - r - 1).sum().item()}
     return items, expected, [lp for lp, _ in hf_response_logprobs(hf, seqs)]
 
 
@@ -62,6 +65,10 @@ def run_layout(out_dir, tp, pp, hf, spec):
     samples, sums, abs_max = training_samples(stages[0], stages[1], PackedShare.pack([items]), spec=spec, max_tokens_per_micro_batch=100,
                                               device=runtime.device, tis_cap=TIS_CAP)
     metrics = reduce_mismatch(sums, abs_max)
+    _, sums, abs_max = training_samples(stages[0], stages[1], PackedShare.pack([items]), spec=spec,
+                                        max_tokens_per_micro_batch=100, device=runtime.device, tis_cap=None,
+                                        old_logprobs="rollout")
+    rollout_metrics = reduce_mismatch(sums, abs_max)
     old_err = max((s.old_logp.double().cpu() - r).abs().max().item() for s, r in zip(samples, reference))
     ref_err = max((s.ref_logp.double().cpu() - r).abs().max().item() for s, r in zip(samples, reference))
     on_device = all(t.is_cuda for s in samples
@@ -70,7 +77,7 @@ def run_layout(out_dir, tp, pp, hf, spec):
         record = {"old_logp_err": old_err, "ref_logp_err": ref_err, "on_device": on_device,
                   "dtypes": [str(samples[0].loss_mask.dtype), str(samples[0].loss_weight.dtype)],
                   "left_out_masked": not bool(samples[1].loss_mask.any()),
-                  "metrics": metrics, "expected": expected}
+                  "metrics": metrics, "rollout_metrics": rollout_metrics, "expected": expected}
         with open(os.path.join(out_dir, f"tp{tp}-pp{pp}.json"), "w") as f:
             json.dump(record, f)
     reset_parallel_layout()

@@ -1,12 +1,14 @@
-"""A short DAPO run on one device, end to end: it must learn, resume, and export what it computes.
+"""A short DAPO run on one device, end to end: it must learn, resume, and export what it computes. With
+--preset grpo the same run is GRPO's (algorithm.preset grpo: symmetric clip, the sample-level loss, every group
+trained on, a k3 KL term against the initial policy), the baseline, held to the same checks.
 
 1. The demo's task and warm model (`megatron-dapo demo`'s: two-digit sums, a tiny Qwen2 and its tokenizer,
    warm-started in plain transformers on the CPU), made in OUT/task or taken from --task.
 2. `DapoTrainer` in this process (one rank, the in-process engine, the demo's DAPO settings,
    parallel.device = --device, model.dtype = --dtype) for --steps steps. It must learn: after the first update
    the weights are still close to the loaded ones (a bf16 optimizer whose fp32 master copy held anything else
-   puts that back), no later step is left without a group of mixed correctness (a collapsed policy's steps
-   are), and held-out accuracy (avg@4 over 256 prompts) rises by at least MIN_GAIN.
+   puts that back), no later step samples only groups of one verdict (a collapsed policy's steps do), and
+   held-out accuracy (avg@4 over 256 prompts) rises by at least MIN_GAIN.
 3. The run's checkpoint resumed by a new trainer: the same weights, bitwise, and a step that trains.
 4. The trained weights exported to a Hugging Face folder, loaded with transformers, and its log-probs
    of a few sequences compared with the policy's: within 1e-4 in fp32, 0.1 in bf16 (the policy runs in bf16,
@@ -17,7 +19,7 @@ MEGATRON_DAPO_DEVICE_FAITHFUL=1 (the tests do) to catch what would mix host and 
 --dtype bfloat16 to train at the GPU's precision.
 
     python tests/gpu/e2e_dapo.py [--device cuda|cpu] [--dtype bfloat16|float32] [--out DIR] [--task DIR]
-                                 [--steps N]
+                                 [--steps N] [--preset dapo|grpo]
 """
 
 from __future__ import annotations
@@ -43,13 +45,21 @@ TOLERANCE = {"float32": 1e-4, "bfloat16": 0.1}  # max |log-prob difference|, pol
 FIRST_UPDATE_MAX_CHANGE = 0.05  # of the largest loaded weight; a master copy of the initialisation moves ~0.2-1
 MIN_GAIN = 0.1  # held-out avg@4 over 256 prompts x 4 samples (+-0.015): measured +0.23 in 10 bf16 steps on the CPU
 PARITY_SEQUENCES = 8
+# The demo's settings that are DAPO's own: under another preset they go, so that the preset's values hold (and
+# it refuses those that belong to a switch it turns off).
+DAPO_KEYS = {"algorithm": ("oversample_factor", "overlong_cache_len"), "loss": ("eps_low", "eps_high")}
 
 
-def dapo_config(task: Path, out: Path, device: str, dtype: str, steps: int, seed: int) -> dict:
-    """The demo's DAPO settings for `steps` steps, a checkpoint at the end, no evaluation inside the run."""
+def dapo_config(task: Path, out: Path, device: str, dtype: str, steps: int, seed: int, preset: str) -> dict:
+    """The demo's settings for `steps` steps, a checkpoint at the end, no evaluation inside the run; `preset`:
+    algorithm.preset (the demo's settings are DAPO's)."""
     from megatron_dapo.demo import dapo_config as demo_config
 
     cfg = demo_config(task, task / "warm", out / "dapo", seed)
+    if preset != "dapo":
+        for section, keys in DAPO_KEYS.items():
+            cfg[section] = {k: v for k, v in cfg[section].items() if k not in keys}
+        cfg["algorithm"]["preset"] = preset
     return {**cfg, "model": {**cfg["model"], "dtype": dtype}, "parallel": {**cfg["parallel"], "device": device},
             "train": {**cfg["train"], "steps": steps, "checkpoint_every": steps, "tensorboard": False},
             "eval": {**cfg["eval"], "every": 0}}
@@ -113,7 +123,12 @@ def relative_change(before: list[torch.Tensor], after: list[torch.Tensor]) -> fl
             / max(b.float().abs().max().item() for b in before))
 
 
-def run(device: str, dtype: str, out: Path, task: Path | None, steps: int, seed: int) -> dict:
+def mixed_groups(m: dict) -> float:
+    """A step's groups of mixed correctness (those with a learning signal), kept or not."""
+    return m.get("groups_settled", 0) - m.get("groups_all_correct", 0) - m.get("groups_all_wrong", 0)
+
+
+def run(device: str, dtype: str, out: Path, task: Path | None, steps: int, seed: int, preset: str) -> dict:
     import dataclasses
 
     from megatron_dapo.checkpoint.hf_export import export_hf_checkpoint
@@ -132,7 +147,7 @@ def run(device: str, dtype: str, out: Path, task: Path | None, steps: int, seed:
         warm = make_task(task, seed)
         times["demo task + warm start (cpu)"] = time.perf_counter() - t
 
-    cfg = config_from_dict(dapo_config(task, out, device, dtype, steps, seed))
+    cfg = config_from_dict(dapo_config(task, out, device, dtype, steps, seed, preset))
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")  # one process: its own rendezvous, as the demo does
     os.environ["MASTER_PORT"] = str(free_port())
     t = time.perf_counter()
@@ -192,7 +207,8 @@ def run(device: str, dtype: str, out: Path, task: Path | None, steps: int, seed:
     finally:
         trainer.close()
     times["resume + 1 step"] = time.perf_counter() - t
-    return {"device": device, "dtype": trained_dtype, "warm_start": warm, "updates_per_step": cfg.train.updates_per_step,
+    return {"device": device, "dtype": trained_dtype, "preset": preset, "warm_start": warm,
+            "updates_per_step": cfg.train.updates_per_step,
             "steps": [{k: v for k, v in m.items() if not k.startswith("time/")} | {
                 "seconds": m.get("time/step", math.nan)} for m in step_metrics],
             "first_update_change": first_update_change, "eval_before": before, "eval_after": after,
@@ -204,8 +220,8 @@ def check(result: dict) -> list[str]:
     problems = []
     for i, m in enumerate(result["steps"], 1):
         if not m.get("updates"):
-            if i == 1:  # later steps without a group are a collapse, said below
-                problems.append(f"step 1: no update (no group of mixed correctness, accuracy "
+            if i == 1:  # later steps without one are a collapse, said below
+                problems.append(f"step 1: no update (no group to train on, accuracy "
                                 f"{m.get('accuracy', math.nan):.2f}): the warm start left nothing to learn from")
             continue
         if m["updates"] != result["updates_per_step"]:
@@ -217,9 +233,9 @@ def check(result: dict) -> list[str]:
         problems.append(f"the first update moved the weights by {result['first_update_change']:.3g} of the largest "
                         f"(> {FIRST_UPDATE_MAX_CHANGE}): the optimizer did not update the loaded weights")
     steps = result["steps"]
-    empty = [i for i, m in enumerate(steps[1:], 2) if not m.get("groups_kept")]
+    empty = [i for i, m in enumerate(steps[1:], 2) if not mixed_groups(m)]
     if empty:
-        problems.append(f"steps {empty} had no group of mixed correctness: the policy collapsed")
+        problems.append(f"steps {empty} sampled no group of mixed correctness: the policy collapsed")
     gain = result["eval_after"] - result["eval_before"]
     if not gain >= MIN_GAIN:
         problems.append(f"no learning: held-out avg@4 {result['eval_before']:.3f} -> {result['eval_after']:.3f} "
@@ -236,7 +252,8 @@ def check(result: dict) -> list[str]:
 
 
 def report(result: dict, problems: list[str]) -> None:
-    print(f"\n== e2e DAPO on {result['device']} ({result['dtype']}), one process, in-process engine ==")
+    print(f"\n== e2e {result['preset'].upper()} on {result['device']} ({result['dtype']}), one process, in-process "
+          "engine ==")
     if result["warm_start"]:
         print(f"warm start: {result['warm_start']['steps']} steps, sampled accuracy "
               f"{100 * result['warm_start']['accuracy']:.0f} %")
@@ -261,7 +278,7 @@ def report(result: dict, problems: list[str]) -> None:
           f"max logp diff {result['max_logprob_diff']:.2g}")
     for p in problems:
         print(f"FAILED: {p}")
-    print("e2e_dapo: " + ("FAIL" if problems else "PASS"))
+    print(f"e2e_dapo ({result['preset']}): " + ("FAIL" if problems else "PASS"))
 
 
 def main(argv=None) -> int:
@@ -272,7 +289,8 @@ def main(argv=None) -> int:
                                                   "made before; default: made in OUT/task")
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default=None,
                         help="model.dtype (default: bfloat16 on cuda, float32 on cpu)")
-    parser.add_argument("--steps", type=int, default=10, help="DAPO steps (learning is checked)")
+    parser.add_argument("--steps", type=int, default=10, help="training steps (learning is checked)")
+    parser.add_argument("--preset", choices=["dapo", "grpo"], default="dapo", help="algorithm.preset")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
@@ -286,7 +304,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="e2e_dapo_") as tmp:
         out = args.out or Path(tmp)
         out.mkdir(parents=True, exist_ok=True)
-        result = run(args.device, dtype, out, args.task, args.steps, args.seed)
+        result = run(args.device, dtype, out, args.task, args.steps, args.seed, args.preset)
         problems = check(result)
         result["problems"] = problems
         (out / "e2e_dapo.json").write_text(json.dumps(result, indent=1, default=str))
