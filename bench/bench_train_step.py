@@ -16,8 +16,10 @@ time split syncs the device at each boundary: forward (the model up to the logit
 step, and backward (the rest of the step: the backward pass and the gradient reduction).
 
 Peak memory is torch.cuda.max_memory_allocated over the measured steps, beside preflight's estimate for the same
-model and micro-batch (preflight/estimate.py's trainer_memory); on the CPU there is no allocator to ask, and the
-row says so. On the CPU with MEGATRON_DAPO_DEVICE_FAITHFUL=1 (the suite, --tiny) the step follows the GPU's
+model and micro-batch (preflight/estimate.py's trainer_memory); what stays allocated between steps
+(torch.cuda.memory_allocated after the warm-up step) beside preflight's weights + grads + optimizer state, so that
+an estimate that is off says whether the state or the activations are; and preflight's parts. On the CPU there
+is no allocator to ask, and the rows say so. On the CPU with MEGATRON_DAPO_DEVICE_FAITHFUL=1 (the suite, --tiny) the step follows the GPU's
 placement and precision.
 
 --fusions measures, side by side in one run, the step as shipped and the step with each of megatron-core's fusions
@@ -138,8 +140,8 @@ def gemm_tflops(n: int, device: torch.device, dtype: torch.dtype) -> float:
     return 2 * n**3 / statistics.median(times) / 1e12
 
 
-def preflight_bytes(model_dir: Path, device: str, args) -> float:
-    """preflight's trainer memory for this model, layout and micro-batch (one GPU, PP = 1)."""
+def preflight_memory(model_dir: Path, device: str, args):
+    """preflight's trainer memory (TrainerMemory) for this model, layout and micro-batch (one GPU, PP = 1)."""
     from megatron_dapo.preflight.estimate import model_architecture, trainer_layout, trainer_memory
     from megatron_dapo.run_config import config_from_dict
 
@@ -153,7 +155,7 @@ def preflight_bytes(model_dir: Path, device: str, args) -> float:
         "train": {"updates_per_step": 1}, "rollout": {"engine": "local"}})
     spec, _ = model_architecture(cfg.model.path)
     (stage,) = trainer_memory(cfg, spec, trainer_layout(cfg, spec, gpus=1))
-    return stage.total
+    return stage
 
 
 @contextmanager
@@ -174,6 +176,7 @@ class Measured:
     step_s: float  # median over the measured steps
     parts: dict[str, float]  # seconds per step
     peak_bytes: int | None  # the device allocator's peak over the measured steps; None on the CPU
+    state_bytes: int | None  # allocated after the warm-up step: weights, gradients, optimizer state
 
 
 def measure(rank, args, samples, flags: dict[str, bool] | None = None) -> Measured:
@@ -195,6 +198,7 @@ def measure(rank, args, samples, flags: dict[str, bool] | None = None) -> Measur
               split.timing(trainer, "_loss_func", "log-probs + loss"),
               split.timing(trainer.optimizer, "step", "optimizer")):
             trainer.step(samples)  # warm-up: allocations, kernels' first calls, compiled fusions
+            state = torch.cuda.memory_allocated(device) if cuda else None
             if cuda:
                 torch.cuda.reset_peak_memory_stats(device)
             split.seconds.clear()
@@ -212,31 +216,29 @@ def measure(rank, args, samples, flags: dict[str, bool] | None = None) -> Measur
     peak = torch.cuda.max_memory_allocated(device) if cuda else None
     if cuda:
         torch.cuda.empty_cache()
-    return Measured(step_s, parts, peak)
+    return Measured(step_s, parts, peak, state)
 
 
 def compare_fusions(rank, args, samples, tokens: int) -> None:
-    """The shipped step, then each fusion alone on top of it, each timed right after a shipped step of its own."""
-    rows = []
+    """Each fusion alone over the shipped step, each followed by a shipped step of its own to compare it with; a
+    row is printed as soon as it is measured (a first torch.compile on a cold cache can take a while: what was
+    measured before a time limit stays in the log)."""
+    print(f"\n== fusions: each alone over the step as shipped (policy/model.py), a fresh model each; step time "
+          f"median of {args.steps}; ratio < 1 is faster ==")
+    print(f"{'fusion':<30} {'shipped s':>10} {'fused s':>10} {'fused/shipped':>14} {'tokens/s fused':>15} "
+          f"{'peak GB shipped':>16} {'peak GB fused':>14}  note", flush=True)
     for flag in FUSIONS:
         try:
             fused = measure(rank, args, samples, {flag: True})
         except Exception as error:  # noqa: BLE001 -- a fusion this machine lacks: its row says why
-            rows.append((flag, None, None, str(error).strip().splitlines()[0][:110]))
+            note = str(error).strip().splitlines()[0][:110]
+            print(f"{flag:<30} {'-':>10} {'-':>10} {'-':>14} {'-':>15} {'-':>16} {'-':>14}  unavailable: {note}",
+                  flush=True)
             continue
         shipped = measure(rank, args, samples)
-        rows.append((flag, shipped, fused, ""))
-    print(f"\n== fusions: each alone over the step as shipped (policy/model.py), a fresh model each; step time "
-          f"median of {args.steps}; ratio < 1 is faster ==")
-    print(f"{'fusion':<30} {'shipped s':>10} {'fused s':>10} {'fused/shipped':>14} {'tokens/s fused':>15} "
-          f"{'peak GB shipped':>16} {'peak GB fused':>14}  note")
-    for flag, shipped, fused, note in rows:
-        if fused is None:
-            print(f"{flag:<30} {'-':>10} {'-':>10} {'-':>14} {'-':>15} {'-':>16} {'-':>14}  unavailable: {note}")
-            continue
         peaks = [f"{m.peak_bytes / 1e9:.2f}" if m.peak_bytes is not None else "n/a" for m in (shipped, fused)]
         print(f"{flag:<30} {shipped.step_s:>10.4f} {fused.step_s:>10.4f} {fused.step_s / shipped.step_s:>14.3f} "
-              f"{tokens / fused.step_s:>15.0f} {peaks[0]:>16} {peaks[1]:>14}")
+              f"{tokens / fused.step_s:>15.0f} {peaks[0]:>16} {peaks[1]:>14}", flush=True)
 
 
 def main() -> int:
@@ -276,7 +278,7 @@ def main() -> int:
     gemm_n = args.gemm_n if not args.tiny else 256
     gemm = gemm_tflops(gemm_n, device if cuda else torch.device("cpu"), dtype if cuda else torch.float32)
     peak = args.peak_tflops or next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
-    estimate = preflight_bytes(rank.folder, "cuda" if cuda else args.device, args)
+    estimate = preflight_memory(rank.folder, "cuda" if cuda else args.device, args)
     shutdown_runtime()
 
     print(f"step s          {run.step_s:.3f}")
@@ -288,10 +290,15 @@ def main() -> int:
     for part, seconds in run.parts.items():
         print(f"time {part:<20} {seconds:.4f} s  {100 * seconds / run.step_s:5.1f} %")
     if cuda:
-        print(f"peak memory     {run.peak_bytes / 1e9:.2f} GB measured, {estimate / 1e9:.2f} GB preflight: "
-              f"estimate / measured {estimate / run.peak_bytes:.2f}")
+        print(f"peak memory     {run.peak_bytes / 1e9:.2f} GB measured, {estimate.total / 1e9:.2f} GB preflight: "
+              f"estimate / measured {estimate.total / run.peak_bytes:.2f}")
+        print(f"between steps   {run.state_bytes / 1e9:.2f} GB measured, {estimate.state / 1e9:.2f} GB preflight "
+              f"(weights + grads + optimizer): estimate / measured {estimate.state / run.state_bytes:.2f}")
     else:
-        print(f"peak memory     n/a on the CPU (no device allocator); preflight {estimate / 1e9:.3f} GB")
+        print(f"peak memory     n/a on the CPU (no device allocator); preflight {estimate.total / 1e9:.3f} GB")
+        print("between steps   n/a on the CPU (no device allocator)")
+    print("preflight parts " + ", ".join(f"{part} {getattr(estimate, part) / 1e9:.4g} GB" for part in
+                                         ("weights", "grads", "optimizer", "activations", "logits")))
     return 0
 
 

@@ -56,6 +56,9 @@ def test_the_train_step_bench_runs_device_faithful_with_its_time_split_and_prefl
     assert list(parts) == ["forward", "log-probs + loss", "optimizer", "backward + reduction"], out
     assert all(float(v) > 0 for v in parts.values()), parts
     assert re.search(r"^peak memory +n/a on the CPU .*; preflight [\d.]+ GB", out, re.M)
+    parts = re.search(r"^preflight parts weights (\S+) GB, grads (\S+) GB, optimizer (\S+) GB, "
+                      r"activations (\S+) GB, logits (\S+) GB$", out, re.M)
+    assert parts and all(float(v) > 0 for v in parts.groups()), out
 
 
 @pytest.mark.slow

@@ -121,9 +121,9 @@ attention_figures() { # the longest row: tokens, megatron GiB, sdpa GiB, median 
 train_step_figures() { # tokens/s, model TFLOP/s, MFU against the GEMM and the peak, peak memory against preflight
     awk '/^tokens\/s/ { t = $2 } /^model TFLOP\/s/ { f = $3 } /^GEMM TFLOP\/s/ { g = $3 }
         /^MFU vs GEMM/ { mg = $4 } /^MFU vs peak/ { mp = $4 }
-        /^peak memory/ { sub(/^peak memory +/, ""); mem = $0 }
-        END { if (t != "") printf "%s tokens/s, %s TFLOP/s = %s %% of a %s TFLOP/s GEMM, %s %% of peak; %s\n",
-            t, f, mg, g, mp, mem }' "$1"
+        /^peak memory/ { sub(/^peak memory +/, ""); mem = $0 } /^between steps.*estimate \/ measured/ { st = $NF }
+        END { if (t != "") printf "%s tokens/s, %s TFLOP/s = %s %% of a %s TFLOP/s GEMM, %s %% of peak; %s%s\n",
+            t, f, mg, g, mp, mem, st == "" ? "" : "; between steps estimate / measured " st }' "$1"
 }
 fusion_figures() { # per fusion: its step time over the shipped step's, or why it is unavailable
     awk '/^== fusions:/ { on = 1; next } on && $1 ~ /_fusion$/ {
