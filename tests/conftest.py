@@ -10,6 +10,14 @@ from filelock import FileLock
 # mix-up fails here as it would on a GPU. Subprocesses (torchrun workers, trainer runs) inherit it.
 os.environ.setdefault("MEGATRON_DAPO_DEVICE_FAITHFUL", "1")
 
+# In lanes (`make test`: a pytest-xdist process per core), each lane and every process it starts gets its share of
+# the cores in threads. torch's default, a thread per core in each of them, oversubscribes the cores, and OpenMP's
+# threads then spin waiting on preempted ones: the demo's warm start took 29 s alone at 2 threads and 164 s beside
+# the other lane. (Runs that set their own, like the trainer launches with OMP_NUM_THREADS=1, keep theirs.)
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+    os.environ.setdefault("OMP_NUM_THREADS",
+                          str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
+
 
 # tests/gpu/ shares the helpers in this folder.
 sys.path.insert(0, os.path.dirname(__file__))
