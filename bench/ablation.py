@@ -46,11 +46,6 @@ ARMS: list[tuple[str, dict[str, object]]] = [
     ("+ token-level", {"loss.aggregation": "token"}),
     ("+ dyn. sampling", {"algorithm.dynamic_sampling": True, "algorithm.oversample_factor": 1.5}),
 ]
-# The demo's keys that the arms set (a preset refuses a dependent key it turns off: they are the arms' to give).
-ARM_KEYS = {"algorithm": ("oversample_factor", "overlong_cache_len", "overlong_penalty"),
-            "loss": ("eps_low", "eps_high")}
-
-
 def arm_overrides(index: int) -> list[str]:
     """The `section.key=value` overrides of arm `index`: every switch of the arms up to it."""
     merged: dict[str, object] = {}
@@ -61,12 +56,10 @@ def arm_overrides(index: int) -> list[str]:
 
 def run_config(task: Path, run_dir: Path, index: int, seed: int, quick: bool):
     """Arm `index`'s config: the demo's DAPO phase with the arm's switches."""
-    from megatron_dapo.demo import dapo_config
+    from megatron_dapo.demo import dapo_config, without_recipe
     from megatron_dapo.run_config import config_from_dict
 
-    data = dapo_config(task, task / "warm", run_dir, seed)
-    for section, keys in ARM_KEYS.items():
-        data[section] = {k: v for k, v in data[section].items() if k not in keys}
+    data = without_recipe(dapo_config(task, task / "warm", run_dir, seed))  # the arms set the recipe
     data["parallel"] = {**data["parallel"], "seed": seed}
     data["train"] = {**data["train"], "checkpoint_every": 0, "tensorboard": False}
     data["eval"] = {**data["eval"], "every": 0}
@@ -118,14 +111,12 @@ def prepare(out: Path) -> Path:
 def check_last_arm_is_dapo(task: Path, out: Path) -> None:
     """The arms' end is preset dapo, switch for switch."""
     from megatron_dapo.algorithm.presets import PRESETS
-    from megatron_dapo.demo import dapo_config
+    from megatron_dapo.demo import dapo_config, without_recipe
     from megatron_dapo.run_config import config_from_dict
 
     last = run_config(task, out / "check", len(ARMS) - 1, 0, quick=False)
-    data = dapo_config(task, task / "warm", out / "check", 0)
+    data = without_recipe(dapo_config(task, task / "warm", out / "check", 0))
     data["algorithm"]["preset"] = "dapo"
-    for section, keys in ARM_KEYS.items():
-        data[section] = {k: v for k, v in data[section].items() if k not in keys}
     dapo = config_from_dict(data, ["algorithm.oversample_factor=1.5", "algorithm.overlong_cache_len=4"])
     for key in PRESETS["dapo"]:
         section, name = key.split(".")

@@ -19,14 +19,14 @@ Peak memory is torch.cuda.max_memory_allocated over the measured steps, beside p
 model and micro-batch (preflight/estimate.py's trainer_memory); what stays allocated between steps
 (torch.cuda.memory_allocated after the warm-up step) beside preflight's weights + grads + optimizer state, so that
 an estimate that is off says whether the state or the activations are; and preflight's parts. On the CPU there
-is no allocator to ask, and the rows say so. On the CPU with MEGATRON_DAPO_DEVICE_FAITHFUL=1 (the suite, --tiny) the step follows the GPU's
-placement and precision.
+is no allocator to ask, and the rows say so. On the CPU with MEGATRON_DAPO_DEVICE_FAITHFUL=1 (the suite, --tiny)
+the step follows the GPU's placement and precision.
 
 --fusions measures, side by side in one run, the step as shipped and the step with each of megatron-core's fusions
 that apply to the local layer spec turned on alone (TransformerConfig's flags; a fresh model each): the SwiGLU and
 the residual add through its jit fuser (torch.compile), RoPE and the weight-gradient accumulation, which need
 Transformer Engine or apex kernels (where those are missing the row says why). Each row's step time is given as a
-ratio to the shipped step measured just before it, so the machine's drift stays out of the ratio.
+ratio to a shipped step measured right after it, so the machine's drift stays out of the ratio.
 
     python bench/bench_train_step.py [--device cuda] [--tokens 32768] [--micro-batch-tokens 8192] [--steps 3]
     python bench/bench_train_step.py --device cuda --fusions --tokens 16384 --steps 2

@@ -59,6 +59,17 @@ def prepare_task(out: Path, seed: int):
     return pairs
 
 
+# The demo's DAPO recipe keys: clip-higher's bounds, and those of the switches GRPO turns off (which algorithm.preset
+# grpo refuses beside it). A run under another preset, or an ablation arm, leaves them to what it sets.
+RECIPE_KEYS = {"algorithm": ("oversample_factor", "overlong_cache_len"), "loss": ("eps_low", "eps_high")}
+
+
+def without_recipe(cfg: dict) -> dict:
+    """dapo_config's `cfg` without RECIPE_KEYS."""
+    return {**cfg, **{section: {k: v for k, v in cfg[section].items() if k not in keys}
+                      for section, keys in RECIPE_KEYS.items()}}
+
+
 def dapo_config(out: Path, model: Path, output_dir: Path, seed: int) -> dict:
     """The DAPO phase's config (a dict in the YAML's shape) for the task in `out`, starting from `model`."""
     # 8192 tokens: a step's 256 responses (~17 tokens each) in one micro-batch when their log-probs are recomputed.

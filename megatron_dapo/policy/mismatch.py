@@ -23,19 +23,20 @@ def tis_weights(log_ratio: torch.Tensor, cap: float, mode: str = "truncate") -> 
     return ratio.clamp(max=cap)
 
 
-def mismatch_sums(log_ratio: torch.Tensor, entropy: torch.Tensor, in_loss: torch.Tensor,
+def mismatch_sums(log_ratio: torch.Tensor, entropy: torch.Tensor | None, in_loss: torch.Tensor,
                   tis_cap: float | None, tis_mode: str = "truncate",
                   reference_log_ratio: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's sums (MISMATCH_KEYS, float64 [7]) and largest |log_ratio| ([1]) over the tokens where
     `in_loss`; every input is one entry per token, on the same device, and so are the results.
     `reference_log_ratio`: log pi_ref - log pi_old where the loss has a KL term (its k3 estimate of
-    KL(old || reference) is summed; 0 without one)."""
+    KL(old || reference) is summed; 0 without one). `entropy` None: nothing was recomputed (its sum is 0)."""
     r = log_ratio[in_loss].double()
     zero = r.new_zeros(())
     k3 = _k3(-r)  # KL(rollout || old), estimated on the rollout's samples
     ratio = torch.exp(r)
     sums = torch.stack([
-        in_loss.sum().double(), entropy[in_loss].double().sum(), k3.sum(), r.abs().sum(),
+        in_loss.sum().double(), entropy[in_loss].double().sum() if entropy is not None else zero, k3.sum(),
+        r.abs().sum(),
         tis_weights(r, tis_cap, tis_mode).sum() if tis_cap is not None else zero,
         (ratio > tis_cap).sum().double() if tis_cap is not None else zero,
         _k3(reference_log_ratio[in_loss].double()).sum() if reference_log_ratio is not None else zero])

@@ -38,8 +38,9 @@ def training_samples(model, reference, share: PackedShare, *, spec, max_tokens_p
     """RolloutSamples for `share` (this rank's responses), on `device`; and this rank's mismatch sums
     (MISMATCH_KEYS) and largest |log pi_old - log pi_rollout| over its loss tokens (zeros on all but one
     rank per data-parallel replica, so that world-wide sums count every response once; with `old_logprobs`
-    "rollout" only the loss tokens and the KL reference's sum are not zeros). `temperature`: rollout.temperature, at which the old (and reference) log-probs
-    and entropies are computed. `old_logprobs`: loss.old_logprobs."""
+    "rollout" only the loss tokens and the KL reference's sum are not zeros). `temperature`:
+    rollout.temperature, at which the old (and reference) log-probs and entropies are computed. `old_logprobs`:
+    loss.old_logprobs."""
     from megatron.core import parallel_state
 
     seqs = [Sequence(tokens.long(), prompt_len)
@@ -68,10 +69,10 @@ def training_samples(model, reference, share: PackedShare, *, spec, max_tokens_p
 
     reporter = parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0
     if reporter and (entropy is not None or ref is not None):
-        # With the engine's log-probs as pi_old nothing is recomputed: no entropy or mismatch to sum (zeros), but
-        # the KL reference's distance still is.
-        sums, abs_max = mismatch_sums(log_ratio, entropy if entropy is not None else torch.zeros_like(old), in_loss,
-                                      tis_cap, tis_mode, ref.double() - old.double() if ref is not None else None)
+        # With the engine's log-probs as pi_old nothing is recomputed (no entropy; a mismatch of 0), but the KL
+        # reference's distance is still there to sum.
+        sums, abs_max = mismatch_sums(log_ratio, entropy, in_loss, tis_cap, tis_mode,
+                                      ref.double() - old.double() if ref is not None else None)
     else:
         sums, abs_max = torch.zeros(len(MISMATCH_KEYS), dtype=torch.float64, device=device), \
             torch.zeros(1, dtype=torch.float64, device=device)

@@ -45,20 +45,17 @@ TOLERANCE = {"float32": 1e-4, "bfloat16": 0.1}  # max |log-prob difference|, pol
 FIRST_UPDATE_MAX_CHANGE = 0.05  # of the largest loaded weight; a master copy of the initialisation moves ~0.2-1
 MIN_GAIN = 0.1  # held-out avg@4 over 256 prompts x 4 samples (+-0.015): measured +0.23 in 10 bf16 steps on the CPU
 PARITY_SEQUENCES = 8
-# The demo's settings that are DAPO's own: under another preset they go, so that the preset's values hold (and
-# it refuses those that belong to a switch it turns off).
-DAPO_KEYS = {"algorithm": ("oversample_factor", "overlong_cache_len"), "loss": ("eps_low", "eps_high")}
 
 
 def dapo_config(task: Path, out: Path, device: str, dtype: str, steps: int, seed: int, preset: str) -> dict:
     """The demo's settings for `steps` steps, a checkpoint at the end, no evaluation inside the run; `preset`:
     algorithm.preset (the demo's settings are DAPO's)."""
     from megatron_dapo.demo import dapo_config as demo_config
+    from megatron_dapo.demo import without_recipe
 
     cfg = demo_config(task, task / "warm", out / "dapo", seed)
-    if preset != "dapo":
-        for section, keys in DAPO_KEYS.items():
-            cfg[section] = {k: v for k, v in cfg[section].items() if k not in keys}
+    if preset != "dapo":  # the preset's values, not the demo's DAPO recipe
+        cfg = without_recipe(cfg)
         cfg["algorithm"]["preset"] = preset
     return {**cfg, "model": {**cfg["model"], "dtype": dtype}, "parallel": {**cfg["parallel"], "device": device},
             "train": {**cfg["train"], "steps": steps, "checkpoint_every": steps, "tensorboard": False},
