@@ -246,7 +246,7 @@ def test_sglang_tp2_one_step_off_a_stopped_rank_ends_the_run_naming_it_and_the_r
     want = metrics(full_out)
     assert [r["weight_version"] for r in want] == [0, 0, 1, 2]  # the first batch waits for the initial weights
     assert [r["staleness"] for r in want] == [0, 1, 1, 1]
-    assert want[0]["tis/weight_mean"] == pytest.approx(1.0, abs=1e-3)  # sampled by the weights it trains
+    assert_sampled_by_the_weights_it_trains(want[0])
     for r in want:
         assert r["groups_kept"] >= 1 and r["loss_tokens"] > 0 and r["updates"] >= 1
         assert 0 < r["tis/weight_mean"] <= 2.0
@@ -337,12 +337,21 @@ def test_sglang_async_stays_within_its_staleness_bound_and_a_kill_of_the_run_or_
         assert r["groups_kept"] >= 1 and r["loss_tokens"] > 0 and 0 < r["tis/weight_mean"] <= 2.0, r
         assert 0 <= r["staleness"] <= 2 and r["groups_stale"] == 0 and r["prompts_too_long"] == 0, r
     assert rows[0]["staleness"] == 0 and max(r["staleness"] for r in rows) >= 1  # later batches sampled ahead
-    # Step 1 trains on what its own weights sampled: behaviour = proximal, importance weights 1.
-    assert rows[0]["tis/weight_mean"] == pytest.approx(1.0, abs=1e-3) and rows[0]["tis/capped_frac"] == 0
+    assert_sampled_by_the_weights_it_trains(rows[0])
     assert "eval/avg@2" in rows[2] and "eval/avg@2" in rows[5]
     assert "is gone: restarting it" in (out / "rollout.log").read_text()  # the killed server, restarted
     state = json.loads((out / "checkpoints" / "step_000006" / "trainer_state.json").read_text())["extra"]["sampler"]
     assert state["epoch"] == 0 and state["position"] == sum(r["prompts_drawn"] for r in rows)
+
+
+def assert_sampled_by_the_weights_it_trains(row: dict) -> None:
+    """Step 1 trains on what its own weights sampled (behaviour = proximal): the engine's log-probs and the
+    trainer's differ only by their bf16 kernels. Measured here: mean |log ratio| 2.5e-3 to 2.8e-3, largest 0.04,
+    k3 KL 3e-5, mean importance weight 1 +- 1.1e-3 (82 tokens: one token's 0.04 moves it 5e-4). Sampled one
+    version behind, the same runs measured mean |log ratio| 0.05 to 0.55 and KL 0.009 to 8."""
+    assert row["staleness"] == 0 and row["tis/capped_frac"] == 0, row
+    assert row["mismatch/abs_mean"] < 0.02 and row["mismatch/kl"] < 1e-3, row
+    assert row["tis/weight_mean"] == pytest.approx(1.0, abs=0.01), row
 
 
 def fault(kind: str, flag: Path, **settings) -> dict[str, str]:
