@@ -33,12 +33,18 @@ def _positive(value, key: str) -> None:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """How the policy is split: tensor x pipeline x context x data parallel (data = world / the rest)."""
+    """How the policy is split: tensor x pipeline x context x data parallel (data = world / the rest); a mixture
+    of experts' experts are dealt over `expert_parallel` ranks, which split the tensor x data-parallel ranks of a
+    pipeline stage (each expert whole on its rank: megatron-core's expert tensor parallelism stays 1)."""
 
     tensor_parallel: int = 1
     pipeline_parallel: int = 1
     context_parallel: int = 1
     expert_parallel: int = 1
+    # Megatron's sequence parallelism: the activations outside attention and the MLP (norms, residuals, the
+    # experts' dispatch) split along the sequence over the tensor-parallel ranks, instead of a full copy on each.
+    # Needs tensor_parallel > 1; a mixture of experts with tensor_parallel > 1 needs it.
+    sequence_parallel: bool = False
     device: str = "cuda"  # "cuda" (NCCL) or "cpu" (gloo)
     seed: int = 1234
     # Minutes a rank may wait inside one NCCL / gloo collective before the job fails: it must outlast what
@@ -57,8 +63,11 @@ class ParallelConfig:
         _require(self.device in ("cuda", "cpu"), "parallel.device", f"must be 'cuda' or 'cpu', got {self.device!r}")
         _require(self.context_parallel == 1, "parallel.context_parallel",
                  f"context parallelism is not supported yet, got {self.context_parallel}; set it to 1")
-        _require(self.expert_parallel == 1, "parallel.expert_parallel",
-                 f"the supported models are dense; got {self.expert_parallel}, set it to 1")
+        _require(isinstance(self.sequence_parallel, bool), "parallel.sequence_parallel",
+                 f"must be true or false, got {self.sequence_parallel!r}")
+        _require(not self.sequence_parallel or self.tensor_parallel > 1, "parallel.sequence_parallel",
+                 "splits activations over the tensor-parallel ranks, but parallel.tensor_parallel is 1; set "
+                 "parallel.sequence_parallel to false, or parallel.tensor_parallel > 1")
 
     @property
     def model_parallel(self) -> int:
@@ -68,7 +77,14 @@ class ParallelConfig:
         _require(world_size % self.model_parallel == 0, "parallel",
                  f"world size {world_size} is not divisible by tensor_parallel x pipeline_parallel x "
                  f"context_parallel = {self.model_parallel}; change the sizes or the number of processes")
-        return world_size // self.model_parallel
+        data = world_size // self.model_parallel
+        # megatron-core deals the experts over the ranks of a stage: expert_parallel x expert data parallel
+        _require((self.tensor_parallel * self.context_parallel * data) % self.expert_parallel == 0,
+                 "parallel.expert_parallel",
+                 f"{self.expert_parallel} does not divide the {self.tensor_parallel * self.context_parallel * data} "
+                 f"ranks of a pipeline stage (tensor_parallel x context_parallel x data parallel, world size "
+                 f"{world_size}); choose a divisor of it, or change the number of processes")
+        return data
 
 
 @dataclass(frozen=True)
@@ -179,8 +195,15 @@ class ModelConfig:
     # CPU runs (the tests), float32 on the CPU otherwise. bfloat16 on the CPU runs the GPU's precision path there
     # (megatron-core's bf16 optimizer over gloo).
     dtype: str = "auto"
+    # A mixture of experts' load-balancing loss coefficient (megatron-core's aux loss per MoE layer, computed per
+    # micro-batch); null: the model's config.json's router_aux_loss_coef. 0 turns it off.
+    moe_aux_loss_coef: float | None = None
 
     def __post_init__(self):
+        _require(self.moe_aux_loss_coef is None or (isinstance(self.moe_aux_loss_coef, (int, float))
+                                                    and not isinstance(self.moe_aux_loss_coef, bool)
+                                                    and self.moe_aux_loss_coef >= 0),
+                 "model.moe_aux_loss_coef", f"must be a number >= 0 or null, got {self.moe_aux_loss_coef!r}")
         _require(bool(self.path), "model.path", "must name a Hugging Face model folder (config.json + weights + "
                  "tokenizer); convert other checkpoints with `megatron-dapo convert`")
         _whole(self.max_tokens_per_micro_batch, "model.max_tokens_per_micro_batch", 1)

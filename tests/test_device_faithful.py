@@ -39,6 +39,50 @@ def test_tensors_say_where_a_gpu_run_keeps_them(faithful):
     assert dev.type() == "torch.cuda.FloatTensor" and torch.zeros(1).type() == "torch.FloatTensor"
 
 
+class _AllocatesInBackward(torch.autograd.Function):
+    """As megatron-core's all-to-all and sequence-parallel backward do: a buffer on torch.cuda.current_device()."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        out = torch.empty(grad.shape, dtype=grad.dtype, device=torch.cuda.current_device())
+        assert out.is_cuda  # the mode sees the backward: a device buffer, not a CUDA initialisation
+        return out.copy_(grad * 2)
+
+
+@pytest.mark.parametrize("call", ["tensor", "autograd", "nested"])
+def test_a_backward_runs_under_the_mode(faithful, call):
+    """torch hands torch.autograd.backward to the function mode, which would run it with the mode off: custom
+    Functions' backward would then allocate on a real CUDA device (megatron-core's MoE all-to-all), or see device
+    tensors as host ones (its router replaced its weight's data with a copy, and the optimizer's updates were
+    lost). A backward inside a backward (megatron-core's activation recompute) runs under it too."""
+    x = torch.ones(3, device="cuda", requires_grad=True)
+    if call == "nested":
+        y = torch.ones(3, device="cuda", requires_grad=True)
+
+        class Recompute(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, t):
+                return t.detach() * 1
+
+            @staticmethod
+            def backward(ctx, grad):
+                with torch.enable_grad():
+                    torch.autograd.backward(_AllocatesInBackward.apply(y), grad)
+                return grad
+
+        Recompute.apply(x).sum().backward()
+        assert torch.equal(y.grad.cpu(), torch.full((3,), 2.0)) and y.grad.is_cuda
+    elif call == "tensor":
+        _AllocatesInBackward.apply(x).sum().backward()
+    else:
+        torch.autograd.backward([_AllocatesInBackward.apply(x)], grad_tensors=[torch.ones(3, device="cuda")])
+    assert torch.equal(x.grad.cpu(), torch.full((3,), 2.0 if call != "nested" else 1.0)) and x.grad.is_cuda
+
+
 def test_moves_copy_between_host_and_device(faithful):
     host = torch.arange(4.0)
     moved = host.cuda()

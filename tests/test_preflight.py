@@ -77,6 +77,15 @@ def test_a_model_path_without_config_json_or_shipped_architecture_is_refused(tmp
         preflight(load_config(CONFIGS / "tiny-cpu.yaml", [f"model.path={tmp_path / 'demo' / 'warm'}"]))
 
 
+def test_a_mixture_of_experts_is_refused_until_its_memory_is_counted(tmp_path):
+    """An estimate that put every expert on every rank would be wrong, not conservative: refused by name."""
+    from test_moe_units import QWEN3_MOE
+
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_MOE))
+    with pytest.raises(ConfigError, match="model.path: Qwen3MoeForCausalLM is a mixture of experts; preflight"):
+        preflight(load_config(CONFIGS / "tiny-cpu.yaml", [f"model.path={tmp_path}"]))
+
+
 def test_memory_over_the_gpu_is_a_warning_and_colocated_parts_add_up():
     cfg = load_config(CONFIGS / "qwen2.5-7b-dapo-colocated.yaml",
                       ["rollout.request_timeout_s=90000", "rollout.job_timeout_s=90000"])

@@ -1,10 +1,11 @@
-"""Gather a TP x PP sharded Megatron model back into Hugging Face tensors, one tensor at a time.
+"""Gather a TP x PP (x EP) sharded Megatron model back into Hugging Face tensors, one tensor at a time.
 
 Every rank walks the model's tensors in the same order. The data-parallel replica 0 of the stage
 that holds a tensor all-gathers its tensor-parallel shards, turns them into HF tensors through the
 mapping, and sends them to global rank 0 (or to each of a list of receiving ranks), which yields them.
-Peak extra memory on a receiver is one full tensor. Used to export a Hugging Face checkpoint from a live
-(or just loaded) model, and by the weight sync.
+An expert is whole on each rank of its expert-parallel rank's expert-data-parallel group: the first of
+them sends it. Peak extra memory on a receiver is one full tensor. Used to export a Hugging Face
+checkpoint from a live (or just loaded) model, and by the weight sync.
 """
 
 from __future__ import annotations
@@ -14,8 +15,17 @@ from collections.abc import Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_dapo.checkpoint.hf_mapping import hf_names, hf_shape, hf_tensors, megatron_names, tp_dim, uses_te_names
-from megatron_dapo.checkpoint.hf_weights import layer_offset
+from megatron_dapo.checkpoint.hf_mapping import (
+    expert_of,
+    hf_names,
+    hf_shape,
+    hf_tensors,
+    megatron_names,
+    renumber_expert,
+    tp_dim,
+    uses_te_names,
+)
+from megatron_dapo.checkpoint.hf_weights import expert_offset, layer_offset
 from megatron_dapo.checkpoint.safetensors_io import write_hf_checkpoint
 from megatron_dapo.config import ParallelConfig
 from megatron_dapo.policy.hf_config import ModelSpec
@@ -32,7 +42,17 @@ def _owner_stage(mname: str, spec: ModelSpec, parallel: ParallelConfig) -> int:
     return parallel.pipeline_parallel - 1  # final norm, output layer
 
 
-def _local_name(mname: str, spec: ModelSpec, parallel: ParallelConfig, stage: int) -> str:
+def _owner(mname: str, spec: ModelSpec, parallel: ParallelConfig) -> tuple[int, int | None]:
+    """(pipeline stage, expert-parallel rank) that holds `mname`; the second None for a tensor that is not an
+    expert's."""
+    expert = expert_of(mname)
+    ep = None if expert is None else expert[0] // (spec.num_experts // parallel.expert_parallel)
+    return _owner_stage(mname, spec, parallel), ep
+
+
+def _local_name(mname: str, spec: ModelSpec, parallel: ParallelConfig, stage: int, ep: int | None) -> str:
+    if ep is not None:
+        mname = renumber_expert(mname, -expert_offset(spec, parallel, ep))
     if not mname.startswith(_LAYER_PREFIX):
         return mname
     layer, rest = mname[len(_LAYER_PREFIX):].split(".", 1)
@@ -52,13 +72,19 @@ def iter_hf_tensors(model: torch.nn.Module, spec: ModelSpec, parallel: ParallelC
     device = next(iter(params.values())).device
     stage = parallel_state.get_pipeline_model_parallel_rank()
     first_dp = parallel_state.get_data_parallel_rank() == 0
+    ep_rank = parallel_state.get_expert_model_parallel_rank()
+    first_expert_dp = parallel_state.get_expert_data_parallel_rank() == 0
     tp_group = parallel_state.get_tensor_model_parallel_group()
     me = dist.get_rank()
-    sender = _stage_senders(stage, first_dp and parallel_state.get_tensor_model_parallel_rank() == 0)
+    mine = {(stage, None)} if first_dp and parallel_state.get_tensor_model_parallel_rank() == 0 else set()
+    if spec.is_moe and first_expert_dp:
+        mine.add((stage, ep_rank))
+    sender = _senders(mine)
     for mname in megatron_names(spec, te_names=uses_te_names(params)):  # TE models fuse the norms' names
-        owner = _owner_stage(mname, spec, parallel)
-        if stage == owner and first_dp:
-            local = params[_local_name(mname, spec, parallel, stage)].detach().to(dtype)
+        owner = _owner(mname, spec, parallel)
+        holds = stage == owner[0] and (first_dp if owner[1] is None else ep_rank == owner[1] and first_expert_dp)
+        if holds:
+            local = params[_local_name(mname, spec, parallel, *owner)].detach().to(dtype)
             if tp_dim(mname) is None or parallel.tensor_parallel == 1:
                 shards = [local]
             else:
@@ -80,12 +106,13 @@ def iter_hf_tensors(model: torch.nn.Module, spec: ModelSpec, parallel: ParallelC
                 yield name, buf
 
 
-def _stage_senders(stage: int, is_sender: bool) -> dict[int, int]:
-    """Pipeline stage -> the global rank that sends its tensors (data-parallel replica 0, tensor-parallel
-    rank 0). Collective: every rank says whether it is its stage's sender."""
+def _senders(mine: set) -> dict[tuple[int, int | None], int]:
+    """(pipeline stage, expert-parallel rank or None) -> the global rank that sends those tensors: for a stage's
+    other tensors, its data-parallel replica 0's tensor-parallel rank 0; for an expert-parallel rank's experts, its
+    expert-data-parallel replica 0. Collective: every rank says which it sends (`mine`)."""
     found = [None] * dist.get_world_size()
-    dist.all_gather_object(found, stage if is_sender else None)
-    return {s: rank for rank, s in enumerate(found) if s is not None}
+    dist.all_gather_object(found, sorted(mine, key=str))
+    return {key: rank for rank, keys in enumerate(found) for key in keys}
 
 
 def export_hf_checkpoint(model, spec: ModelSpec, parallel: ParallelConfig, out_dir, *, hf_config: dict,

@@ -11,6 +11,12 @@ Both the local and the Transformer Engine layer specs' names are understood, in 
 fuses the two pre-norms into the next linear layer (`linear_qkv.layer_norm_weight`,
 `linear_fc1.layer_norm_weight`), and megatron-core's checkpoints store the local spec's norms under
 those names too.
+
+A mixture of experts' layer (Qwen3-MoE) holds a router (`mlp.router.weight`, HF's `mlp.gate.weight`),
+its pre-MLP norm as a module of its own in both specs, and its experts, each whole on one expert-parallel
+rank (no expert tensor parallelism): the local spec's `mlp.experts.local_experts.{j}.linear_fc1/fc2`,
+TE's grouped `mlp.experts.linear_fc1.weight{j}`. Global names number the experts over all
+expert-parallel ranks, as they number the layers over all stages.
 """
 
 from __future__ import annotations
@@ -23,6 +29,9 @@ import torch
 from megatron_dapo.policy.hf_config import ModelSpec
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+# An expert's tensor inside a layer: the local spec's SequentialMLP, or TE's grouped experts
+_LOCAL_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
+_GROUPED_EXPERT = re.compile(r"^mlp\.experts\.(linear_fc[12])\.weight(\d+)$")
 
 HF_EMBEDDING = "model.embed_tokens.weight"
 HF_OUTPUT = "lm_head.weight"
@@ -43,6 +52,7 @@ _LAYER_DIRECT = {
     "mlp.linear_fc2.weight": "mlp.down_proj.weight",
     "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
     "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
+    "mlp.router.weight": "mlp.gate.weight",
 }
 # Tensor-parallel split dimension of each Megatron suffix (None: replicated).
 _LAYER_TP_DIM = {
@@ -61,6 +71,33 @@ class MappingError(KeyError):
         return str(self.args[0])
 
 
+def expert_of(mname: str) -> tuple[int, str] | None:
+    """(expert index, "linear_fc1" | "linear_fc2") of an expert's tensor, in either spec's naming; else None."""
+    match = _LAYER.match(mname)
+    if match is None:
+        return None
+    suffix = match.group(2)
+    local, grouped = _LOCAL_EXPERT.match(suffix), _GROUPED_EXPERT.match(suffix)
+    if local:
+        return int(local.group(1)), local.group(2)
+    if grouped:
+        return int(grouped.group(2)), grouped.group(1)
+    return None
+
+
+def renumber_expert(name: str, offset: int) -> str:
+    """An expert tensor's name with its expert index moved by `offset` (local <-> global numbering); other names
+    as they are."""
+    match = _LAYER.match(name)
+    if match is None:
+        return name
+    head = name[: match.start(2)]
+    suffix = _LOCAL_EXPERT.sub(lambda m: f"mlp.experts.local_experts.{int(m.group(1)) + offset}.{m.group(2)}.weight",
+                               match.group(2))
+    suffix = _GROUPED_EXPERT.sub(lambda m: f"mlp.experts.{m.group(1)}.weight{int(m.group(2)) + offset}", suffix)
+    return head + suffix
+
+
 def hf_names(mname: str, spec: ModelSpec) -> list[str]:
     """The HF tensors that make up the Megatron tensor `mname` (global layer numbering)."""
     if mname == "embedding.word_embeddings.weight":
@@ -74,6 +111,11 @@ def hf_names(mname: str, spec: ModelSpec) -> list[str]:
         raise MappingError(f"no Hugging Face counterpart for Megatron tensor {mname!r}")
     layer, suffix = int(match.group(1)), match.group(2)
     prefix = f"model.layers.{layer}."
+    expert = expert_of(mname)
+    if expert is not None:
+        j, linear = expert
+        parts = ("gate_proj", "up_proj") if linear == "linear_fc1" else ("down_proj",)
+        return [f"{prefix}mlp.experts.{j}.{part}.weight" for part in parts]
     if suffix in _LAYER_DIRECT:
         return [prefix + _LAYER_DIRECT[suffix]]
     if suffix in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
@@ -87,16 +129,29 @@ def hf_names(mname: str, spec: ModelSpec) -> list[str]:
 def megatron_names(spec: ModelSpec, *, te_names: bool = False) -> list[str]:
     """Every Megatron tensor of the model (global layer numbering), with the local spec's names or, with
     `te_names`, Transformer Engine's; in the same order either way."""
-    layer = ["input_layernorm.weight", "self_attention.linear_qkv.weight", "self_attention.linear_proj.weight",
-             "pre_mlp_layernorm.weight", "mlp.linear_fc1.weight", "mlp.linear_fc2.weight"]
-    if te_names:
-        layer = [TE_FUSED_NORMS.get(s, s) for s in layer]
-    if spec.qkv_bias:
-        layer.append("self_attention.linear_qkv.bias")
-    if spec.qk_layernorm:
-        layer += ["self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight"]
+    def layer(sparse: bool) -> list[str]:
+        attention = ["input_layernorm.weight", "self_attention.linear_qkv.weight", "self_attention.linear_proj.weight"]
+        if sparse:  # the pre-MLP norm stays a module of its own beside the router, in both specs
+            mlp = ["pre_mlp_layernorm.weight", "mlp.router.weight"]
+            for j in range(spec.num_experts):
+                mlp += ([f"mlp.experts.linear_fc1.weight{j}", f"mlp.experts.linear_fc2.weight{j}"] if te_names else
+                        [f"mlp.experts.local_experts.{j}.linear_fc1.weight",
+                         f"mlp.experts.local_experts.{j}.linear_fc2.weight"])
+        else:
+            mlp = ["pre_mlp_layernorm.weight", "mlp.linear_fc1.weight", "mlp.linear_fc2.weight"]
+        names = attention + mlp
+        if te_names:
+            names = [TE_FUSED_NORMS.get(s, s) if not (sparse and s == "pre_mlp_layernorm.weight") else s
+                     for s in names]
+        if spec.qkv_bias:
+            names.append("self_attention.linear_qkv.bias")
+        if spec.qk_layernorm:
+            names += ["self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight"]
+        return names
+
+    sparse = spec.moe_layers or (False,) * spec.num_layers
     names = ["embedding.word_embeddings.weight"]
-    names += [f"decoder.layers.{i}.{s}" for i in range(spec.num_layers) for s in layer]
+    names += [f"decoder.layers.{i}.{s}" for i in range(spec.num_layers) for s in layer(sparse[i])]
     names.append("decoder.final_layernorm.weight")
     if not spec.tie_word_embeddings:
         names.append("output_layer.weight")
@@ -119,7 +174,9 @@ def tp_dim(mname: str) -> int | None:
     if mname in ("embedding.word_embeddings.weight", "output_layer.weight"):
         return 0
     match = _LAYER.match(mname)
-    return _LAYER_TP_DIM.get(match.group(2)) if match else None
+    if match is None or expert_of(mname) is not None:  # experts stay whole (expert tensor parallelism 1)
+        return None
+    return _LAYER_TP_DIM.get(match.group(2))
 
 
 def hf_shape(hf_name: str, spec: ModelSpec) -> tuple[int, ...]:
@@ -133,9 +190,12 @@ def hf_shape(hf_name: str, spec: ModelSpec) -> tuple[int, ...]:
         "q_proj.bias": (q,), "k_proj.bias": (kv,), "v_proj.bias": (kv,), "o_proj.weight": (h, q),
         "q_norm.weight": (d,), "k_norm.weight": (d,),
         "gate_proj.weight": (spec.ffn_hidden_size, h), "up_proj.weight": (spec.ffn_hidden_size, h),
-        "down_proj.weight": (h, spec.ffn_hidden_size),
+        "down_proj.weight": (h, spec.ffn_hidden_size), "gate.weight": (spec.num_experts, h),
     }
     key = ".".join(hf_name.split(".")[-2:])
+    if ".mlp.experts." in hf_name:  # an expert's MLP is moe_intermediate_size wide
+        f = spec.moe_ffn_hidden_size
+        return {"gate_proj.weight": (f, h), "up_proj.weight": (f, h), "down_proj.weight": (h, f)}[key]
     return table[key]
 
 
@@ -161,6 +221,8 @@ def megatron_shard(mname: str, get: Callable[[str], torch.Tensor], spec: ModelSp
     names = hf_names(mname, spec)
     parts = [_fetch(get, n, spec) for n in names]
     dim = tp_dim(mname)
+    if dim is None:  # replicated over the tensor-parallel ranks: the whole tensor on each
+        tp_rank, tp_size = 0, 1
     if mname in ("embedding.word_embeddings.weight", "output_layer.weight"):
         full = parts[0]
         pad = padded_vocab_size - full.shape[0]

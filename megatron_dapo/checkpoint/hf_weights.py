@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import torch
 
-from megatron_dapo.checkpoint.hf_mapping import MappingError, megatron_shard
+from megatron_dapo.checkpoint.hf_mapping import MappingError, megatron_shard, renumber_expert
 from megatron_dapo.config import ParallelConfig
 from megatron_dapo.policy.hf_config import ModelSpec
 from megatron_dapo.policy.model import padded_vocab_size
@@ -17,13 +17,20 @@ from megatron_dapo.policy.train_step import PolicyTrainer
 _LOCAL_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 
 
-def global_name(local_name: str, layer_offset: int) -> str:
-    """A stage's parameter name with its layer index counted over the whole pipeline."""
-    return _LOCAL_LAYER.sub(lambda m: f"decoder.layers.{int(m.group(1)) + layer_offset}.", local_name)
+def global_name(local_name: str, layer_offset: int, expert_offset: int = 0) -> str:
+    """A stage's parameter name with its layer index counted over the whole pipeline, and an expert's index over
+    all expert-parallel ranks."""
+    name = _LOCAL_LAYER.sub(lambda m: f"decoder.layers.{int(m.group(1)) + layer_offset}.", local_name)
+    return renumber_expert(name, expert_offset)
 
 
 def layer_offset(spec: ModelSpec, parallel: ParallelConfig, pp_rank: int) -> int:
     return pp_rank * (spec.num_layers // parallel.pipeline_parallel)
+
+
+def expert_offset(spec: ModelSpec, parallel: ParallelConfig, ep_rank: int) -> int:
+    """The global index of expert-parallel rank `ep_rank`'s first expert (megatron-core deals them in order)."""
+    return ep_rank * (spec.num_experts // parallel.expert_parallel)
 
 
 @torch.no_grad()
@@ -34,9 +41,10 @@ def load_hf_weights(model: torch.nn.Module, get: Callable[[str], torch.Tensor], 
 
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     offset = layer_offset(spec, parallel, parallel_state.get_pipeline_model_parallel_rank())
+    experts = expert_offset(spec, parallel, parallel_state.get_expert_model_parallel_rank())
     vocab = padded_vocab_size(spec.vocab_size, parallel.tensor_parallel)
     for name, param in model.named_parameters():
-        mname = global_name(name, offset)
+        mname = global_name(name, offset, experts)
         shard = megatron_shard(mname, get, spec, tp_rank=tp_rank, tp_size=parallel.tensor_parallel,
                                padded_vocab_size=vocab)
         if shard.shape != param.shape:

@@ -326,10 +326,12 @@ def read_trainer_state(path) -> dict:
 
 
 def check_model_shape(state: dict, spec, path) -> None:
-    """Refuse a checkpoint of another model, naming every field that differs."""
-    mine = dataclasses.asdict(spec)
-    diffs = [f"{k}={state['model'].get(k)!r} (this model: {v!r})" for k, v in mine.items()
-             if state["model"].get(k) != v]
+    """Refuse a checkpoint of another model, naming every field that differs. Compared as trainer_state.json holds
+    them (tuples as lists); a field the checkpoint predates has its default (a dense model's no experts)."""
+    mine = json.loads(json.dumps(dataclasses.asdict(spec)))
+    defaults = {f.name: f.default for f in dataclasses.fields(spec) if f.default is not dataclasses.MISSING}
+    saved = json.loads(json.dumps({**defaults, **state["model"]}))
+    diffs = [f"{k}={saved.get(k)!r} (this model: {v!r})" for k, v in mine.items() if saved.get(k) != v]
     if diffs:
         raise CheckpointError(f"{path}: checkpoint of a different model shape: {', '.join(diffs)}; resume with the "
                               "model the run was started with, or start a new run in another folder")

@@ -84,6 +84,16 @@ class _HostStream:
 _HOST_STREAM = _HostStream()
 
 
+def _to_host(tensor, as_numpy: bool = False, record_stream: bool = False):
+    """megatron-core's moe_utils.maybe_move_tensor_to_cpu for the CPU: the token dispatcher's split sizes must
+    reach all_to_all_single as host numbers, but the original converts only CUDA tensors (and records a CUDA
+    stream, which the CPU has none of)."""
+    if not torch.is_tensor(tensor):
+        return tensor
+    host = tensor.cpu()
+    return host.numpy() if as_numpy else host
+
+
 class CpuCompat:
     """Installs the redirects on enter and restores everything on exit."""
 
@@ -98,6 +108,8 @@ class CpuCompat:
 
     def __enter__(self) -> CpuCompat:
         import megatron.core.tensor_parallel.random as mp_random
+        import megatron.core.transformer.moe.moe_utils as moe_utils
+        import megatron.core.transformer.moe.token_dispatcher as token_dispatcher
 
         cuda = torch.cuda
         self._patch(cuda, "current_device", lambda: torch.device("cpu"))
@@ -119,6 +131,11 @@ class CpuCompat:
                     lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state())
         self._patch(mp_random, "_set_cuda_rng_state",
                     lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state))
+        # Without Transformer Engine moe_utils never defines te_general_gemm, which its router GEMM tests for.
+        if not hasattr(moe_utils, "te_general_gemm"):
+            self._saved.append((moe_utils, "te_general_gemm", None))
+            moe_utils.te_general_gemm = None
+        self._patch(token_dispatcher, "maybe_move_tensor_to_cpu", _to_host)
         # Every fork of the tracker moves the CPU generator, which it then warns about.
         tracker_log = logging.getLogger(mp_random.__name__)
         self._saved.append((tracker_log, "disabled", tracker_log.disabled))

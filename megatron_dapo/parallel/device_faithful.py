@@ -28,6 +28,7 @@ Python call per tensor op, so plain CPU runs (the demo) leave it off.
 
 from __future__ import annotations
 
+import inspect
 import os
 
 import torch
@@ -119,6 +120,29 @@ CUDA_TYPE_NAMES = {  # what the no-argument Tensor.type() of a GPU tensor says
 _NEW_TENSOR_FUNCS = {torch.tensor, torch.as_tensor}  # copy Python data: on the host unless told otherwise
 
 
+def _backward_under(mode, func, args, kwargs):
+    """torch.autograd.backward / Tensor.backward with `mode` on. torch (2.14) hands a backward to the torch function
+    mode, which runs it with the mode off, so custom autograd Functions' backward would run without it: megatron-core's
+    all-to-all and sequence-parallel backward allocate on torch.cuda.current_device() (a CUDA ordinal here), and its
+    MoE router, seeing its weight on the host, would replace the weight's data with a copy the optimizer never
+    updates. So the engine is called here, as torch.autograd.backward calls it, inside the mode."""
+    from torch.autograd import _make_grads, _tensor_or_tensors_to_tuple
+    from torch.autograd.graph import _engine_run_backward
+
+    bound = inspect.signature(func).bind(*args, **kwargs).arguments
+    tensors = bound.get("tensors", bound.get("self"))
+    tensors = (tensors,) if isinstance(tensors, torch.Tensor) else tuple(tensors)
+    inputs = bound.get("inputs")
+    inputs = () if inputs is None else (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+    create = bound.get("create_graph", False)
+    retain = bound.get("retain_graph")
+    with mode:
+        grads = _tensor_or_tensors_to_tuple(bound.get("grad_tensors", bound.get("gradient")), len(tensors))
+        _engine_run_backward(tensors, _make_grads(tensors, grads, is_grads_batched=False),
+                             create if retain is None else retain, create, inputs, allow_unreachable=True,
+                             accumulate_grad=True)
+
+
 def _getter(prop) -> object:
     return prop.__get__  # compared by ==: each access makes a new method-wrapper
 
@@ -140,6 +164,8 @@ class FaithfulFunctionMode(TorchFunctionMode):
         handler = _HANDLERS.get(func)
         if handler is not None:
             return handler(func, args, kwargs)
+        if func in (torch.autograd.backward, torch.Tensor.backward):
+            return _backward_under(self, func, args, kwargs)
         device = kwargs.get("device")
         if device is not None:
             kwargs = {**kwargs, "device": "cpu"}
@@ -319,7 +345,10 @@ class DeviceCheckMode(TorchDispatchMode):
         if func in _INDEXING and place(args[0]) is DEVICE:  # CUDA takes host index tensors; the rest: device
             index_ids = {id(t) for t in _tensors(args[1:2])}
             tensors, places = zip(*[(t, p) for t, p in zip(tensors, places) if id(t) not in index_ids])
-        mixed = [t for t, p in zip(tensors, places) if p is HOST and (t.dim() > 0 or _is_first_written(func, t, args))]
+        # An empty tensor holds no memory to be wrong about: its tag follows whatever storage torch gave it (an
+        # expert that received no token has empty slices, whose gradients' tags are this mode's guess, not CUDA's).
+        mixed = [t for t, p in zip(tensors, places)
+                 if p is HOST and t.numel() > 0 and (t.dim() > 0 or _is_first_written(func, t, args))]
         if DEVICE in places and mixed:
             device = next(t for t, p in zip(tensors, places) if p is DEVICE)
             raise DeviceMixError(

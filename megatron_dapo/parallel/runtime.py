@@ -123,6 +123,7 @@ def init_runtime(parallel: ParallelConfig, environ=None) -> Runtime:
         pipeline_model_parallel_size=parallel.pipeline_parallel,
         context_parallel_size=parallel.context_parallel,
         expert_model_parallel_size=parallel.expert_parallel,
+        expert_tensor_parallel_size=1,  # each expert whole on its rank (policy.model builds it so)
         distributed_timeout_minutes=timeout_minutes,
     )
     tensor_parallel.model_parallel_cuda_manual_seed(parallel.seed, force_reset_rng=True)

@@ -2,7 +2,8 @@
 
 A micro-batch is a right-padded [rows, length] block: with a causal mask, padding after a sequence
 never reaches its tokens, and rotary positions start at 0 in every row. Sequences are sorted by
-length so that rows of similar length share a block and little is padded.
+length so that rows of similar length share a block and little is padded. With sequence parallelism
+the block's length is padded up to a multiple of the tensor-parallel size, which splits it.
 """
 
 from __future__ import annotations
@@ -47,8 +48,36 @@ def check_sequences(sequences: list[Sequence], max_positions: int) -> None:
                              f"{max_positions}; truncate the response (rollout max_new_tokens) or the prompt")
 
 
-def plan_micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
-    """Group sequence indices so that each block's rows x max length stays within max_tokens."""
+def padded_length(length: int, multiple: int) -> int:
+    return -(-length // multiple) * multiple
+
+
+def plan_micro_batches(lengths: list[int], max_tokens: int, length_multiple: int = 1,
+                       count: int | None = None) -> list[list[int]]:
+    """Group sequence indices so that each block's rows x max length (padded to `length_multiple`) stays within
+    max_tokens. With `count`, at least that many blocks (see at_least)."""
+    groups = _plan(lengths, max_tokens, length_multiple)
+    return groups if count is None else at_least(groups, count)
+
+
+def at_least(groups: list[list[int]], count: int) -> list[list[int]]:
+    """`count` blocks or more: the blocks of most rows halved while any has two rows, then empty blocks (filler
+    micro-batches: a padding row that carries no sample). Expert parallelism needs it: each micro-batch's forward
+    and backward exchange tokens between the ranks of an expert-parallel group (all-to-all), so every data-parallel
+    rank must run as many micro-batches as the others."""
+    groups = [list(g) for g in groups]
+    while len(groups) < count:
+        widest = max(range(len(groups)), key=lambda i: len(groups[i]), default=None)
+        if widest is None or len(groups[widest]) < 2:
+            groups += [[] for _ in range(count - len(groups))]
+            break
+        g = groups[widest]
+        groups[widest:widest + 1] = [g[: len(g) // 2], g[len(g) // 2:]]
+    return groups
+
+
+def _plan(lengths: list[int], max_tokens: int, length_multiple: int) -> list[list[int]]:
+    lengths = [padded_length(n, length_multiple) for n in lengths]
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     groups: list[list[int]] = []
     for i in order:
@@ -62,9 +91,13 @@ def plan_micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
     return groups
 
 
-def make_micro_batch(sequences: list[Sequence], index: list[int]) -> MicroBatch:
+def make_micro_batch(sequences: list[Sequence], index: list[int], length_multiple: int = 1) -> MicroBatch:
+    """The block of sequences `index`; for no sequences, a filler: one row of padding, no response position."""
+    if not index:
+        return MicroBatch(torch.zeros(1, length_multiple, dtype=torch.long),
+                          torch.zeros(length_multiple, dtype=torch.long), torch.zeros(0, dtype=torch.long), [], [])
     rows = [sequences[i] for i in index]
-    length = max(s.tokens.numel() for s in rows)
+    length = padded_length(max(s.tokens.numel() for s in rows), length_multiple)
     input_ids = torch.zeros(len(rows), length, dtype=torch.long)
     targets = torch.zeros(len(rows), length, dtype=torch.long)
     positions = []
@@ -78,6 +111,15 @@ def make_micro_batch(sequences: list[Sequence], index: list[int]) -> MicroBatch:
                       [s.response_len for s in rows])
 
 
-def micro_batches(sequences: list[Sequence], max_tokens: int) -> list[MicroBatch]:
-    plan = plan_micro_batches([s.tokens.numel() for s in sequences], max_tokens)
-    return [make_micro_batch(sequences, idx) for idx in plan]
+def micro_batches(sequences: list[Sequence], max_tokens: int, length_multiple: int = 1,
+                  count: int | None = None) -> list[MicroBatch]:
+    """`length_multiple`: what each block's length must divide by (sequence_multiple of the model); `count`: the
+    fewest blocks (at_least)."""
+    plan = plan_micro_batches([s.tokens.numel() for s in sequences], max_tokens, length_multiple, count)
+    return [make_micro_batch(sequences, idx, length_multiple) for idx in plan]
+
+
+def sequence_multiple(config) -> int:
+    """What a micro-batch's length must divide by for a model of megatron-core TransformerConfig `config`:
+    sequence parallelism splits the sequence over the tensor-parallel ranks."""
+    return config.tensor_model_parallel_size if config.sequence_parallel else 1

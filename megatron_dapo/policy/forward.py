@@ -13,7 +13,14 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from megatron_dapo.policy.batch import MicroBatch, Sequence, check_sequences, micro_batches
+from megatron_dapo.policy.batch import (
+    MicroBatch,
+    Sequence,
+    check_sequences,
+    micro_batches,
+    plan_micro_batches,
+    sequence_multiple,
+)
 from megatron_dapo.policy.logprobs import vocab_parallel_logprobs
 
 
@@ -37,6 +44,22 @@ def micro_batch_logprobs(logits: torch.Tensor, mb: MicroBatch, vocab_size: int, 
     return logp[pos], entropy[pos]
 
 
+def model_micro_batches(config, sequences: list[Sequence], max_tokens: int, device: torch.device) -> list[MicroBatch]:
+    """This rank's sequences in micro-batches for a model of megatron-core TransformerConfig `config`: blocks as
+    long as sequence parallelism needs, and with expert parallelism as many on every data-parallel rank as the
+    rank of most (collective over the data-parallel group then)."""
+    multiple = sequence_multiple(config)
+    count = None
+    if config.expert_model_parallel_size > 1:
+        from megatron.core import parallel_state
+
+        mine = len(plan_micro_batches([s.tokens.numel() for s in sequences], max_tokens, multiple))
+        agreed = torch.tensor([mine], device=device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=parallel_state.get_data_parallel_group())
+        count = int(agreed.item())
+    return micro_batches(sequences, max_tokens, multiple, count)
+
+
 def model_forward(model, mb: MicroBatch, device: torch.device):
     ids = mb.input_ids.to(device)
     position_ids = torch.arange(ids.shape[1], device=device).expand_as(ids)
@@ -57,7 +80,7 @@ def response_logprobs(model, sequences: list[Sequence], *, vocab_size: int, max_
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     check_sequences(sequences, max_positions)
-    mbs = micro_batches(sequences, max_tokens_per_micro_batch)
+    mbs = model_micro_batches(model.config, sequences, max_tokens_per_micro_batch, device)
 
     def loss_func(mb, logits):
         logp, entropy = micro_batch_logprobs(logits, mb, vocab_size, inplace_backward=False, temperature=temperature)
@@ -75,6 +98,8 @@ def response_logprobs(model, sequences: list[Sequence], *, vocab_size: int, max_
         return None
     result: list = [None] * len(sequences)
     for mb, out in zip(mbs, outputs):
+        if not mb.sample_index:  # a filler
+            continue
         logps, ents = out["logp"].split(mb.response_lens), out["entropy"].split(mb.response_lens)
         for i, lp, en in zip(mb.sample_index, logps, ents):
             result[i] = (lp, en)

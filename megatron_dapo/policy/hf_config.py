@@ -13,7 +13,16 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": (True, False),
     "LlamaForCausalLM": (False, False),
     "Qwen3ForCausalLM": (False, True),
+    "Qwen3MoeForCausalLM": (False, True),
 }
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM",)
+# Mixtures of experts whose layers megatron-core could build but whose mapping is not written yet: refused by name.
+REFUSED_ARCHITECTURES = {
+    "Qwen2MoeForCausalLM": "its shared expert and the shared expert's gate are not mapped yet",
+    "DeepseekV3ForCausalLM": "multi-head latent attention, sigmoid routing with expert bias and multi-token prediction "
+                             "are not mapped yet",
+}
+MOE_REQUIRED_KEYS = ("moe_intermediate_size", "num_experts_per_tok")
 REQUIRED_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size",
                  "max_position_embeddings", "rms_norm_eps")
 
@@ -34,6 +43,20 @@ class ModelSpec:
     qkv_bias: bool
     qk_layernorm: bool
     tie_word_embeddings: bool
+    # Mixture of experts (0 experts: a dense model). moe_layers[i]: whether layer i's MLP is the experts' (the
+    # others are dense MLPs of ffn_hidden_size).
+    num_experts: int = 0
+    moe_topk: int = 0
+    moe_ffn_hidden_size: int = 0
+    moe_layers: tuple[bool, ...] = ()
+    # True: the top-k probabilities are renormalised to sum to 1 (softmax over the k logits); False: they stay the
+    # softmax over all experts.
+    norm_topk_prob: bool = False
+    router_aux_loss_coef: float = 0.0
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
 
 def _rope_theta(cfg: dict) -> float:
@@ -56,6 +79,9 @@ def model_spec_from_hf(config) -> ModelSpec:
             raise ConfigError(f"model.hf_config: no config.json at {path}")
         config = json.loads(path.read_text())
     archs = config.get("architectures") or []
+    if len(archs) == 1 and archs[0] in REFUSED_ARCHITECTURES:
+        raise ConfigError(f"architectures: {archs[0]} is not supported: {REFUSED_ARCHITECTURES[archs[0]]}; "
+                          f"supported: {sorted(SUPPORTED_ARCHITECTURES)}")
     if len(archs) != 1 or archs[0] not in SUPPORTED_ARCHITECTURES:
         raise ConfigError(f"architectures: {archs!r} is not supported; supported: {sorted(SUPPORTED_ARCHITECTURES)}")
     arch = archs[0]
@@ -89,4 +115,36 @@ def model_spec_from_hf(config) -> ModelSpec:
         qkv_bias=bool(config.get("attention_bias", default_bias)),
         qk_layernorm=qk_norm,
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        **(_moe_fields(config) if arch in MOE_ARCHITECTURES else {}),
     )
+
+
+def _moe_fields(config: dict) -> dict:
+    """Qwen3-MoE's experts and router, as transformers builds them: layer i is sparse unless it is in
+    mlp_only_layers, if (i + 1) % decoder_sparse_step == 0."""
+    # transformers 5 writes num_local_experts; the published Qwen3-MoE configs say num_experts
+    experts = config.get("num_experts", config.get("num_local_experts"))
+    if not experts:
+        raise ConfigError("num_experts: missing from config.json (a mixture of experts needs its expert count)")
+    missing = [k for k in MOE_REQUIRED_KEYS if k not in config]
+    if missing:
+        raise ConfigError(f"{missing[0]}: missing from config.json (needed for a mixture of experts: "
+                          f"{', '.join(MOE_REQUIRED_KEYS)})")
+    topk = config["num_experts_per_tok"]
+    if not 1 <= topk <= experts:
+        raise ConfigError(f"num_experts_per_tok: {topk} must be in [1, num_experts = {experts}]")
+    step = config.get("decoder_sparse_step", 1)
+    if not isinstance(step, int) or step < 1:
+        raise ConfigError(f"decoder_sparse_step: must be a whole number >= 1, got {step!r}")
+    layers = config["num_hidden_layers"]
+    dense = set(config.get("mlp_only_layers") or [])
+    if not dense <= set(range(layers)):
+        raise ConfigError(f"mlp_only_layers: {sorted(dense - set(range(layers)))} are not layers of this model "
+                          f"(0 to {layers - 1})")
+    sparse = tuple(i not in dense and (i + 1) % step == 0 for i in range(layers))
+    if not any(sparse):
+        raise ConfigError("mlp_only_layers / decoder_sparse_step: no layer has experts; a dense model's "
+                          "architecture is Qwen3ForCausalLM")
+    return {"num_experts": experts, "moe_topk": topk, "moe_ffn_hidden_size": config["moe_intermediate_size"],
+            "moe_layers": sparse, "norm_topk_prob": bool(config.get("norm_topk_prob", False)),
+            "router_aux_loss_coef": float(config.get("router_aux_loss_coef", 0.0))}

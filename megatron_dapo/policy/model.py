@@ -18,16 +18,27 @@ def padded_vocab_size(vocab_size: int, tensor_parallel: int) -> int:
 
 
 def check_divisibility(spec: ModelSpec, parallel: ParallelConfig) -> None:
-    tp, pp = parallel.tensor_parallel, parallel.pipeline_parallel
+    """The layouts megatron-core can build this model at; the others refused by the key to change."""
+    tp, pp, ep = parallel.tensor_parallel, parallel.pipeline_parallel, parallel.expert_parallel
     checks = [
         ("num_attention_heads", spec.num_attention_heads, tp, "parallel.tensor_parallel"),
         ("num_key_value_heads", spec.num_query_groups, tp, "parallel.tensor_parallel"),
-        ("intermediate_size", spec.ffn_hidden_size, tp, "parallel.tensor_parallel"),
         ("num_hidden_layers", spec.num_layers, pp, "parallel.pipeline_parallel"),
     ]
+    if not all(spec.moe_layers) or not spec.is_moe:  # the dense MLPs' (the experts' stay whole: no expert TP)
+        checks.append(("intermediate_size", spec.ffn_hidden_size, tp, "parallel.tensor_parallel"))
+    if spec.is_moe:
+        checks.append(("num_experts", spec.num_experts, ep, "parallel.expert_parallel"))
     for key, value, size, size_key in checks:
         if value % size:
             raise ConfigError(f"{key}: {value} is not divisible by {size_key} = {size}; choose a size that divides it")
+    if ep > 1 and not spec.is_moe:
+        raise ConfigError(f"parallel.expert_parallel: {ep}, but {spec.architecture} is a dense model (no experts to "
+                          "deal); set it to 1")
+    if spec.is_moe and tp > 1 and not parallel.sequence_parallel:
+        # megatron-core's MoE layer refuses to train so: its token dispatch expects the sequence split over TP
+        raise ConfigError(f"parallel.sequence_parallel: a mixture of experts at parallel.tensor_parallel = {tp} needs "
+                          "sequence parallelism; set parallel.sequence_parallel to true")
 
 
 def use_transformer_engine(parallel: ParallelConfig) -> bool:
@@ -53,11 +64,13 @@ def recompute_options(activation_recompute: str) -> dict:
 
 
 def transformer_config(spec: ModelSpec, parallel: ParallelConfig, params_dtype: torch.dtype | None = None,
-                       initialize: bool = True, activation_recompute: str = "none"):
+                       initialize: bool = True, activation_recompute: str = "none",
+                       moe_aux_loss_coef: float | None = None):
     """bf16 on GPUs (and device-faithful on the CPU), else fp32, unless `params_dtype` says otherwise (the
     converter keeps the file's).
     `initialize=False` leaves the weights unset, for a model that is about to be filled from a checkpoint.
-    `activation_recompute` is model.activation_recompute; only the trained model needs "full"."""
+    `activation_recompute` is model.activation_recompute; only the trained model needs "full".
+    `moe_aux_loss_coef`: model.moe_aux_loss_coef (see moe_options)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     check_divisibility(spec, parallel)
@@ -99,34 +112,93 @@ def transformer_config(spec: ModelSpec, parallel: ParallelConfig, params_dtype: 
         # Micro-batches of different lengths through the pipeline schedules.
         variable_seq_lengths=True,
         moe_token_dispatcher_type="alltoall",
+        sequence_parallel=parallel.sequence_parallel,
+        expert_model_parallel_size=parallel.expert_parallel,
+        expert_tensor_parallel_size=1,
+        **moe_options(spec, moe_aux_loss_coef),
         **recompute_options(activation_recompute),
     )
 
 
-def build_model(spec: ModelSpec, parallel: ParallelConfig, *, pre_process: bool, post_process: bool,
-                params_dtype: torch.dtype | None = None, initialize: bool = True, activation_recompute: str = "none"):
-    """GPTModel for this pipeline stage; logits stay split over the vocabulary (parallel_output).
-    `activation_recompute="full"` for a model that is trained (see recompute_options); a frozen or forward-only
-    model keeps no activations for a backward, so it has nothing to recompute."""
-    from megatron.core.models.gpt import GPTModel
+def moe_options(spec: ModelSpec, aux_loss_coef: float | None) -> dict:
+    """megatron-core's TransformerConfig fields for the model's experts and router, routing as transformers
+    does: a softmax over the experts and their top k; with norm_topk_prob the k probabilities renormalised, which
+    is the softmax over the k logits (megatron's moe_router_pre_softmax False), else the softmax over all.
+    `aux_loss_coef`: the load-balancing loss's coefficient, None for config.json's router_aux_loss_coef."""
+    if not spec.is_moe:
+        if aux_loss_coef is not None:
+            raise ConfigError(f"model.moe_aux_loss_coef: {aux_loss_coef}, but {spec.architecture} is a dense model "
+                              "(no router to balance); remove it")
+        return {}
+    return {
+        "num_moe_experts": spec.num_experts,
+        "moe_router_topk": spec.moe_topk,
+        "moe_ffn_hidden_size": spec.moe_ffn_hidden_size,
+        "moe_layer_freq": [int(sparse) for sparse in spec.moe_layers],
+        "moe_router_pre_softmax": not spec.norm_topk_prob,
+        "moe_router_load_balancing_type": "aux_loss",
+        "moe_aux_loss_coeff": spec.router_aux_loss_coef if aux_loss_coef is None else aux_loss_coef,
+        # The fused router skips routing replay, and both fusions need Transformer Engine.
+        "moe_router_fusion": False,
+        "moe_permute_fusion": False,
+    }
+
+
+def stage_layer_specs(spec: ModelSpec, parallel: ParallelConfig, te: bool, pp_rank: int):
+    """The block spec of pipeline stage `pp_rank`: each of its layers dense or with experts as spec.moe_layers
+    says. The local spec's core attention is SdpaAttention and its norms policy.rms_norm's (sequence
+    parallelism); with Transformer Engine, TE's layers (grouped experts)."""
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
         get_gpt_layer_with_transformer_engine_spec,
     )
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
+    from megatron_dapo.policy.rms_norm import RMSNorm
     from megatron_dapo.policy.sdpa_attention import SdpaAttention
 
-    config = transformer_config(spec, parallel, params_dtype, initialize, activation_recompute)
-    te = use_transformer_engine(parallel)
-    if te:
-        layer_spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_layernorm)
-    else:
-        layer_spec = get_gpt_layer_local_spec(qk_layernorm=spec.qk_layernorm, normalization="RMSNorm")
+    def layer(sparse: bool):
+        experts = spec.num_experts if sparse else None
+        if te:
+            return get_gpt_layer_with_transformer_engine_spec(num_experts=experts, moe_grouped_gemm=sparse,
+                                                              qk_layernorm=spec.qk_layernorm)
+        layer_spec = get_gpt_layer_local_spec(num_experts=experts, qk_layernorm=spec.qk_layernorm,
+                                              normalization="RMSNorm")
+        layers = layer_spec.submodules
         # The local DotProductAttention materialises [b, heads, s, s] scores; SDPA's kernels do not.
-        layer_spec.submodules.self_attention.submodules.core_attention = SdpaAttention
+        layers.self_attention.submodules.core_attention = SdpaAttention
+        layers.input_layernorm = layers.pre_mlp_layernorm = RMSNorm
+        if spec.qk_layernorm:
+            layers.self_attention.submodules.q_layernorm = layers.self_attention.submodules.k_layernorm = RMSNorm
+        return layer_spec
+
+    per_stage = spec.num_layers // parallel.pipeline_parallel
+    sparse = spec.moe_layers or (False,) * spec.num_layers
+    kinds = {kind: layer(kind) for kind in set(sparse)}
+    mine = sparse[pp_rank * per_stage:(pp_rank + 1) * per_stage]
+    final_norm = None
+    if te:
+        from megatron.core.extensions.transformer_engine import TENorm
+
+        final_norm = TENorm
+    return TransformerBlockSubmodules(layer_specs=[kinds[kind] for kind in mine], layer_norm=final_norm or RMSNorm)
+
+
+def build_model(spec: ModelSpec, parallel: ParallelConfig, *, pre_process: bool, post_process: bool,
+                params_dtype: torch.dtype | None = None, initialize: bool = True, activation_recompute: str = "none",
+                moe_aux_loss_coef: float | None = None):
+    """GPTModel for this pipeline stage; logits stay split over the vocabulary (parallel_output).
+    `activation_recompute="full"` for a model that is trained (see recompute_options); a frozen or forward-only
+    model keeps no activations for a backward, so it has nothing to recompute."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+
+    config = transformer_config(spec, parallel, params_dtype, initialize, activation_recompute, moe_aux_loss_coef)
+    te = use_transformer_engine(parallel)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec,
+        transformer_layer_spec=stage_layer_specs(spec, parallel, te,
+                                                 parallel_state.get_pipeline_model_parallel_rank()),
         vocab_size=padded_vocab_size(spec.vocab_size, parallel.tensor_parallel),
         max_sequence_length=spec.max_position_embeddings,
         pre_process=pre_process,

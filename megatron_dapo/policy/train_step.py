@@ -24,8 +24,8 @@ from megatron_dapo.ops.dapo_loss import dapo_loss
 from megatron_dapo.ops.dapo_loss_checks import STAT_NAMES
 from megatron_dapo.ops.host_sync import no_host_sync
 from megatron_dapo.ops.loss_aggregation import aggregation_weights
-from megatron_dapo.policy.batch import MicroBatch, Sequence, check_sequences, micro_batches
-from megatron_dapo.policy.forward import is_last_stage, micro_batch_logprobs, model_forward
+from megatron_dapo.policy.batch import MicroBatch, Sequence, check_sequences
+from megatron_dapo.policy.forward import is_last_stage, micro_batch_logprobs, model_forward, model_micro_batches
 from megatron_dapo.policy.hf_config import ModelSpec
 from megatron_dapo.policy.model import build_model
 
@@ -72,7 +72,8 @@ class PolicyTrainer:
 
     def __init__(self, spec: ModelSpec, parallel: ParallelConfig, device: torch.device, optim: OptimConfig,
                  loss: LossConfig, max_tokens_per_micro_batch: int, activation_recompute: str = "none",
-                 updates_per_step: int = 1, temperature: float = 1.0, params_dtype: torch.dtype | None = None):
+                 updates_per_step: int = 1, temperature: float = 1.0, params_dtype: torch.dtype | None = None,
+                 moe_aux_loss_coef: float | None = None):
         """`activation_recompute`: model.activation_recompute ("full": each layer keeps only its input and
         recomputes the rest in the backward). Forward-only passes are unaffected: megatron-core recomputes only in
         training mode, and under no_grad its checkpoint keeps nothing for a backward either.
@@ -81,7 +82,9 @@ class PolicyTrainer:
         `temperature`: rollout.temperature; the loss's log-probs are those of softmax(logits / temperature), the
         distribution the rollout sampled from (old log-probs must be recomputed at the same temperature).
         `params_dtype`: the model's (model.training_dtype; default bf16 on GPUs, fp32 on the CPU); with bf16 the
-        optimizer keeps an fp32 master copy of the weights (load them with load_policy_weights)."""
+        optimizer keeps an fp32 master copy of the weights (load them with load_policy_weights).
+        `moe_aux_loss_coef`: model.moe_aux_loss_coef, a mixture of experts' load-balancing loss coefficient (None:
+        the model's config.json's)."""
         from megatron.core import parallel_state
         from megatron.core.distributed import (
             DistributedDataParallel,
@@ -98,7 +101,7 @@ class PolicyTrainer:
         self.temperature = temperature
         model = build_model(spec, parallel, pre_process=parallel_state.is_pipeline_first_stage(),
                             post_process=parallel_state.is_pipeline_last_stage(), params_dtype=params_dtype,
-                            activation_recompute=activation_recompute)
+                            activation_recompute=activation_recompute, moe_aux_loss_coef=moe_aux_loss_coef)
         config = model.config
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                    use_distributed_optimizer=optim.distributed_optimizer,
@@ -142,13 +145,20 @@ class PolicyTrainer:
                        "entropy_sum": torch.where(mask, entropy, 0.0).sum().double()}
             return loss, units, reduced
 
+    def _filler_loss(self, logits):
+        """A filler micro-batch's: a zero loss that still runs the backward (its expert dispatch is collective)."""
+        zero = logits.new_zeros((), dtype=torch.float64)
+        reduced = {"stats": torch.zeros(len(STAT_NAMES), device=logits.device), "loss_sum": zero, "units": zero,
+                   "entropy_sum": zero}
+        return logits.sum() * 0.0, zero.to(torch.int), reduced
+
     def step(self, samples: list[RolloutSample]) -> StepResult:
         """One optimizer step on this data-parallel rank's share of the batch."""
         from megatron.core import parallel_state
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         check_sequences([s.sequence for s in samples], self.spec.max_position_embeddings)
-        mbs = micro_batches([s.sequence for s in samples], self.max_tokens)
+        mbs = model_micro_batches(self.module.config, [s.sequence for s in samples], self.max_tokens, self.device)
         dev = self.device
         with_ref = self.loss_cfg.kl_coef > 0
         if with_ref and any(s.ref_logp is None for s in samples):
@@ -159,6 +169,8 @@ class PolicyTrainer:
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
+            if not mb.sample_index:  # a filler (expert parallelism): its forward and backward, and nothing else
+                return model_forward(model, mb, dev), self._filler_loss
             rows = [samples[i] for i in mb.sample_index]
             old = torch.cat([r.old_logp for r in rows]).to(dev, torch.float32)
             adv = torch.cat([r.advantages for r in rows]).to(dev, torch.float32)

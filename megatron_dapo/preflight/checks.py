@@ -58,6 +58,11 @@ class Report:
 def preflight(cfg: DapoConfig, hardware: Hardware = Hardware()) -> Report:
     """Estimates and checks for `cfg`; raises ConfigError at once when an estimate cannot even be made."""
     spec, source = model_architecture(cfg.model.path)
+    if spec.is_moe:  # an estimate that counted every expert on every rank would be wrong, not conservative
+        raise ConfigError(f"model.path: {spec.architecture} is a mixture of experts; preflight's memory model and "
+                          "the training run do not cover mixtures of experts yet (the policy builds, matches "
+                          "transformers, trains and exports at any expert-parallel layout; the rollout's routes and "
+                          "the memory per expert-parallel rank are not built); train a dense model")
     layout = trainer_layout(cfg, spec, hardware.gpus)
     stages = trainer_memory(cfg, spec, layout)
     # What model.activation_recompute "full" would leave, for the warnings when it is off.

@@ -1,7 +1,16 @@
 """Tiny random-weight Hugging Face models and batches, identical on every rank that builds them."""
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
 
 VOCAB = 300  # not a multiple of 128: the padded vocabulary has columns to leave out
 # Parity and invariance checks build the policy in float32: the device-faithful mode's default, bf16 as on a GPU,
@@ -10,6 +19,10 @@ PARITY_DTYPE = torch.float32
 
 TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
             vocab_size=VOCAB, max_position_embeddings=96, rms_norm_eps=1e-5)
+
+
+TINY_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+                mlp_only_layers=[1], router_aux_loss_coef=0.001)
 
 
 def hf_model(kind: str, seed: int = 0):
@@ -26,6 +39,9 @@ def hf_model(kind: str, seed: int = 0):
     elif kind == "llama":
         cfg = LlamaConfig(**TINY, rope_theta=50000.0, architectures=["LlamaForCausalLM"])
         model = LlamaForCausalLM(cfg)
+    elif kind == "qwen3_moe":  # 4 experts, top 2, a dense layer among the sparse ones (mlp_only_layers)
+        cfg = Qwen3MoeConfig(**TINY, **TINY_MOE, head_dim=24, architectures=["Qwen3MoeForCausalLM"])
+        model = Qwen3MoeForCausalLM(cfg)
     else:
         raise ValueError(kind)
     model = model.float().eval()
@@ -33,6 +49,8 @@ def hf_model(kind: str, seed: int = 0):
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
                 p.add_(0.1 * torch.randn_like(p))
+            if name.endswith("mlp.gate.weight"):  # routers decisive: no near-tie for rounding to flip
+                p.normal_(0.0, 1.0)
     return model, cfg.to_dict()
 
 

@@ -1,0 +1,154 @@
+"""torchrun worker (4 processes): a tiny Qwen3-MoE policy at (TP, EP, PP) layouts against transformers, and one
+training step at several splits.
+
+Writes into the folder argv[1]:
+- parity.json from global rank 0: {layout: [{max_abs_logp, max_abs_entropy, tokens}]} gathered from the ranks
+  that hold results, and {export-layout: {export_names, export_bitwise, sync_names, sync_bitwise}}: the HF
+  checkpoint exported from that layout and the weight sync's buckets against the source checkpoint;
+- per training layout, {tag}-rank{r}.pt (the weight change of one Adam step at lr = eps, i.e. minus the
+  gradient, under the HF names of the tensors this rank holds, tensor-parallel shards gathered) and {tag}.json (the
+  step's loss and grad norm).
+"""
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from policy_worker import logprob_errors
+from tiny_models import PARITY_DTYPE, hf_model, hf_response_logprobs, sequences
+from train_worker import batch
+
+from megatron_dapo.checkpoint.hf_export import export_hf_checkpoint
+from megatron_dapo.checkpoint.hf_mapping import hf_tensors, tp_dim
+from megatron_dapo.checkpoint.hf_weights import expert_offset, global_name, layer_offset, load_hf_weights, \
+    load_policy_weights
+from megatron_dapo.checkpoint.safetensors_io import HFCheckpoint
+from megatron_dapo.config import ParallelConfig
+from megatron_dapo.parallel.runtime import init_runtime, reset_parallel_layout, shutdown_runtime
+from megatron_dapo.policy.hf_config import model_spec_from_hf
+from megatron_dapo.policy.model import build_model
+from megatron_dapo.policy.train_step import LossConfig, OptimConfig, PolicyTrainer
+from megatron_dapo.weight_sync.buckets import iter_hf_buckets
+
+# (tensor, expert, pipeline) parallel, sequence parallel
+PARITY = [(1, 1, 1, False), (1, 2, 1, False), (2, 2, 1, True), (1, 2, 2, False)]
+# ... and the micro-batch token budget, full activation recompute
+TRAINING = [(1, 1, 1, False, 100000, False), (1, 2, 1, False, 62, False), (1, 2, 1, False, 62, True),
+            (2, 2, 1, True, 200, False), (1, 2, 2, False, 200, False), (1, 2, 2, False, 200, True)]
+
+
+def layout_tag(tp, ep, pp, sp, *more) -> str:
+    tag = f"tp{tp}-ep{ep}-pp{pp}" + ("-sp" if sp else "")
+    if more:
+        mb, recompute = more
+        tag += f"-mb{mb}" + ("-r" if recompute else "")
+    return tag
+
+
+def parallel_config(tp, ep, pp, sp) -> ParallelConfig:
+    return ParallelConfig(tensor_parallel=tp, expert_parallel=ep, pipeline_parallel=pp, sequence_parallel=sp,
+                          device="cpu", seed=7)
+
+
+def parity_case(spec, ckpt, seqs, ref, layout, out_dir) -> tuple[dict | None, dict]:
+    """This rank's log-prob errors at `layout`, and on global rank 0 whether the HF checkpoint exported from it and
+    the weight sync's buckets are the source checkpoint, bitwise."""
+    from megatron.core import parallel_state
+
+    parallel = parallel_config(*layout)
+    runtime = init_runtime(parallel)
+    model = build_model(spec, parallel, pre_process=parallel_state.is_pipeline_first_stage(),
+                        post_process=parallel_state.is_pipeline_last_stage(), params_dtype=PARITY_DTYPE)
+    load_hf_weights(model, ckpt.get, spec, parallel)
+    errors = logprob_errors(model.eval(), spec, runtime, seqs, ref)
+    exported = os.path.join(out_dir, f"exported_{layout_tag(*layout)}")
+    export_hf_checkpoint(model, spec, parallel, exported, hf_config=ckpt.config, max_shard_bytes=50_000)
+    bucketed = {name: t.cpu().clone()
+                for b in iter_hf_buckets(model, spec, parallel, 20_000) for name, t in b.named_tensors()}
+    same = {}
+    if dist.get_rank() == 0:
+        back = HFCheckpoint(exported)
+        same = {"export_names": sorted(back.names()) == sorted(ckpt.names()),
+                "export_bitwise": all(torch.equal(back.get(n), ckpt.get(n)) for n in ckpt.names()),
+                "sync_names": sorted(bucketed) == sorted(ckpt.names()),
+                "sync_bitwise": all(torch.equal(bucketed[n], ckpt.get(n)) for n in ckpt.names())}
+    reset_parallel_layout()
+    return errors, same
+
+
+@torch.no_grad()
+def held_hf_state(model, spec, parallel) -> dict:
+    """The HF tensors this rank holds (tensor-parallel shards gathered; its experts only)."""
+    from megatron.core import parallel_state
+
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    layers = layer_offset(spec, parallel, parallel_state.get_pipeline_model_parallel_rank())
+    experts = expert_offset(spec, parallel, parallel_state.get_expert_model_parallel_rank())
+    out = {}
+    for name, p in model.named_parameters():
+        mname = global_name(name, layers, experts)
+        if tp_dim(mname) is None:
+            shards = [p.detach().clone()]
+        else:
+            shards = [torch.empty_like(p) for _ in range(parallel.tensor_parallel)]
+            dist.all_gather(shards, p.detach().contiguous(), group=tp_group)
+        out.update(hf_tensors(mname, shards, spec))
+    return out
+
+
+def training_case(out_dir, spec, get, hf, layout) -> None:
+    from megatron.core import parallel_state
+
+    tp, ep, pp, sp, mb_tokens, recompute = layout
+    parallel = parallel_config(tp, ep, pp, sp)
+    runtime = init_runtime(parallel)
+    # First Adam step with eps >> |g|: the change is lr * g / (|g| + eps), i.e. minus the gradient for lr = eps.
+    optim = OptimConfig(lr=1e3, adam_eps=1e3, warmup_steps=0, weight_decay=0.0, clip_grad=0.0)
+    # No load-balancing loss: it is computed per micro-batch, so it (rightly) depends on the split.
+    trainer = PolicyTrainer(spec, parallel, runtime.device, optim, LossConfig(dual_clip_c=3.0), mb_tokens,
+                            activation_recompute="full" if recompute else "none", params_dtype=PARITY_DTYPE,
+                            moe_aux_loss_coef=0.0)
+    load_policy_weights(trainer, get)
+    dp, dp_rank = runtime.data_parallel, parallel_state.get_data_parallel_rank()
+    mine = batch(hf)[dp_rank::dp]
+    before = held_hf_state(trainer.module, spec, parallel)
+    result = trainer.step(mine)
+    after = held_hf_state(trainer.module, spec, parallel)
+    tag = layout_tag(*layout)
+    torch.save({k: after[k] - before[k] for k in after}, os.path.join(out_dir, f"{tag}-rank{dist.get_rank()}.pt"))
+    if dist.get_rank() == 0:
+        with open(os.path.join(out_dir, f"{tag}.json"), "w") as f:
+            json.dump({"loss": result.loss, "grad_norm": result.grad_norm, "num_tokens": result.stats["num_tokens"]},
+                      f)
+    del trainer
+    reset_parallel_layout()
+
+
+def main(out_dir: str) -> None:
+    hf, _ = hf_model("qwen3_moe")
+    folder = os.path.join(out_dir, f"hf_qwen3_moe_rank{os.environ['RANK']}")  # transformers' own file format
+    hf.save_pretrained(folder)
+    ckpt = HFCheckpoint(folder)
+    spec = model_spec_from_hf(ckpt.config)
+    ckpt.validate(spec)
+    seqs = sequences()
+    ref = hf_response_logprobs(hf, seqs)
+    parity = {}
+    for layout in PARITY:
+        errors, same = parity_case(spec, ckpt, seqs, ref, layout, out_dir)
+        found = [None] * int(os.environ["WORLD_SIZE"])
+        dist.all_gather_object(found, errors)
+        parity[layout_tag(*layout)] = [e for e in found if e is not None]
+        parity[f"export-{layout_tag(*layout)}"] = same
+    if dist.get_rank() == 0:
+        with open(os.path.join(out_dir, "parity.json"), "w") as f:
+            json.dump(parity, f)
+    for layout in TRAINING:
+        training_case(out_dir, spec, ckpt.get, hf, layout)
+    shutdown_runtime()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,161 @@
+"""Single-process pieces of mixture-of-experts support: reading Qwen3-MoE's config, the layouts refused, the experts'
+names and shards, and the micro-batch count expert parallelism needs."""
+
+import pytest
+import torch
+
+from megatron_dapo.checkpoint.hf_mapping import (
+    expected_hf_names,
+    hf_names,
+    hf_shape,
+    hf_tensors,
+    megatron_names,
+    megatron_shard,
+    renumber_expert,
+    tp_dim,
+)
+from megatron_dapo.config import ConfigError, ParallelConfig
+from megatron_dapo.policy.batch import Sequence, at_least, micro_batches
+from megatron_dapo.policy.hf_config import model_spec_from_hf
+from megatron_dapo.policy.model import check_divisibility, padded_vocab_size
+
+QWEN3_MOE = dict(architectures=["Qwen3MoeForCausalLM"], hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=24, vocab_size=300,
+                 max_position_embeddings=96, rms_norm_eps=1e-6, num_experts=8, num_experts_per_tok=2,
+                 moe_intermediate_size=32, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                 router_aux_loss_coef=0.001)
+
+
+def test_spec_reads_the_experts_and_which_layers_have_them():
+    spec = model_spec_from_hf(QWEN3_MOE)
+    assert (spec.num_experts, spec.moe_topk, spec.moe_ffn_hidden_size, spec.norm_topk_prob) == (8, 2, 32, True)
+    assert spec.moe_layers == (True,) * 4 and spec.router_aux_loss_coef == 0.001 and spec.qk_layernorm
+    # transformers' own rule: sparse unless in mlp_only_layers, when (i + 1) % decoder_sparse_step == 0
+    mixed = model_spec_from_hf({**QWEN3_MOE, "decoder_sparse_step": 2, "mlp_only_layers": [3]})
+    assert mixed.moe_layers == (False, True, False, False)
+    # transformers 5 writes the expert count as num_local_experts
+    local = {k: v for k, v in QWEN3_MOE.items() if k != "num_experts"}
+    assert model_spec_from_hf({**local, "num_local_experts": 8}).num_experts == 8
+    assert not model_spec_from_hf({**QWEN3_MOE, "architectures": ["Qwen3ForCausalLM"]}).is_moe
+
+
+@pytest.mark.parametrize("override,message", [
+    (dict(architectures=["Qwen2MoeForCausalLM"]), "Qwen2MoeForCausalLM is not supported: its shared expert"),
+    (dict(architectures=["DeepseekV3ForCausalLM"]), "DeepseekV3ForCausalLM is not supported: multi-head latent"),
+    (dict(num_experts=None), "num_experts: missing"),
+    (dict(moe_intermediate_size=None), "moe_intermediate_size: missing"),
+    (dict(num_experts_per_tok=9), r"num_experts_per_tok: 9 must be in \[1, num_experts = 8\]"),
+    (dict(mlp_only_layers=[4]), r"mlp_only_layers: \[4\] are not layers"),
+    (dict(mlp_only_layers=[0, 1, 2, 3]), "no layer has experts"),
+    (dict(decoder_sparse_step=0), "decoder_sparse_step: must be a whole number >= 1"),
+])
+def test_bad_moe_config_names_the_key(override, message):
+    config = {k: v for k, v in {**QWEN3_MOE, **override}.items() if v is not None}
+    with pytest.raises(ConfigError, match=message):
+        model_spec_from_hf(config)
+
+
+@pytest.mark.parametrize("kw,message", [
+    (dict(expert_parallel=3), "num_experts: 8 is not divisible by parallel.expert_parallel = 3"),
+    (dict(tensor_parallel=2), "parallel.sequence_parallel: a mixture of experts at parallel.tensor_parallel = 2"),
+])
+def test_layouts_megatron_core_cannot_build_are_refused(kw, message):
+    with pytest.raises(ConfigError, match=message):
+        check_divisibility(model_spec_from_hf(QWEN3_MOE), ParallelConfig(**kw))
+
+
+def test_expert_parallelism_of_a_dense_model_is_refused():
+    dense = model_spec_from_hf({**QWEN3_MOE, "architectures": ["Qwen3ForCausalLM"]})
+    with pytest.raises(ConfigError, match="parallel.expert_parallel: 2, but Qwen3ForCausalLM is a dense model"):
+        check_divisibility(dense, ParallelConfig(expert_parallel=2))
+    check_divisibility(model_spec_from_hf(QWEN3_MOE),
+                       ParallelConfig(tensor_parallel=2, sequence_parallel=True, expert_parallel=4))
+
+
+@pytest.mark.parametrize("kw,world,message", [
+    (dict(sequence_parallel=True), 1,
+     "parallel.sequence_parallel: splits activations .* parallel.tensor_parallel is 1"),
+    (dict(expert_parallel=4, pipeline_parallel=2), 4, "parallel.expert_parallel: 4 does not divide the 2 ranks"),
+])
+def test_parallel_layouts_refused_up_front(kw, world, message):
+    with pytest.raises(ConfigError, match=message):
+        ParallelConfig(**kw).data_parallel(world)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_expert_mapping_round_trip_is_exact(tp):
+    spec = model_spec_from_hf({**QWEN3_MOE, "mlp_only_layers": [1]})
+    g = torch.Generator().manual_seed(0)
+    hf = {n: torch.randn(hf_shape(n, spec), generator=g) for n in sorted(expected_hf_names(spec))}
+    assert "model.layers.0.mlp.experts.7.down_proj.weight" in hf and "model.layers.1.mlp.down_proj.weight" in hf
+    assert hf_shape("model.layers.0.mlp.experts.7.gate_proj.weight", spec) == (32, 64)
+    assert hf_shape("model.layers.0.mlp.gate.weight", spec) == (8, 64)
+    vocab = padded_vocab_size(spec.vocab_size, tp)
+    back = {}
+    for mname in megatron_names(spec):
+        shards = [megatron_shard(mname, hf.__getitem__, spec, tp_rank=r, tp_size=tp, padded_vocab_size=vocab)
+                  for r in range(tp)]
+        back.update(hf_tensors(mname, shards if tp_dim(mname) is not None else shards[:1], spec))
+    assert back.keys() == hf.keys()
+    assert all(torch.equal(back[k], hf[k]) for k in hf)
+    fc1 = megatron_shard("decoder.layers.2.mlp.experts.local_experts.5.linear_fc1.weight", hf.__getitem__, spec,
+                         tp_rank=1, tp_size=2, padded_vocab_size=vocab)  # experts stay whole at any TP
+    assert torch.equal(fc1, torch.cat([hf["model.layers.2.mlp.experts.5.gate_proj.weight"],
+                                       hf["model.layers.2.mlp.experts.5.up_proj.weight"]]))
+
+
+def test_transformer_engine_expert_names_map_like_the_local_ones():
+    spec = model_spec_from_hf(QWEN3_MOE)
+    te = megatron_names(spec, te_names=True)
+    assert "decoder.layers.0.mlp.experts.linear_fc2.weight7" in te
+    assert "decoder.layers.0.pre_mlp_layernorm.weight" in te  # not fused into an fc1 on a layer with experts
+    assert {n for m in te for n in hf_names(m, spec)} == expected_hf_names(spec)
+    assert renumber_expert("decoder.layers.3.mlp.experts.linear_fc1.weight1", 4) == \
+        "decoder.layers.3.mlp.experts.linear_fc1.weight5"
+    assert renumber_expert("decoder.layers.3.mlp.experts.local_experts.1.linear_fc2.weight", 4) == \
+        "decoder.layers.3.mlp.experts.local_experts.5.linear_fc2.weight"
+
+
+def test_every_rank_can_run_as_many_micro_batches_as_the_busiest():
+    """Expert parallelism exchanges tokens in every micro-batch's forward and backward: a rank with fewer
+    sequences halves its widest blocks, then adds fillers (a padding row that carries no sample)."""
+    assert at_least([[0, 1, 2, 3], [4]], 4) == [[0], [1], [2, 3], [4]]
+    assert at_least([[0], [1]], 4) == [[0], [1], [], []]
+    seqs = [Sequence(torch.arange(1, 8), 3), Sequence(torch.arange(1, 6), 2)]
+    mbs = micro_batches(seqs, max_tokens=100, length_multiple=2, count=3)
+    assert [mb.sample_index for mb in mbs] == [[0], [1], []]
+    assert [mb.input_ids.shape[1] for mb in mbs] == [8, 6, 2]  # sequence parallelism's multiple of TP
+    assert mbs[2].num_response_tokens == 0 and mbs[2].response_lens == []
+
+
+def test_the_load_balancing_coefficient_is_a_model_key():
+    from megatron_dapo.config import ModelConfig
+    from megatron_dapo.policy.model import moe_options
+
+    spec = model_spec_from_hf(QWEN3_MOE)
+    assert moe_options(spec, None)["moe_aux_loss_coeff"] == 0.001  # config.json's router_aux_loss_coef
+    assert moe_options(spec, 0.0)["moe_aux_loss_coeff"] == 0.0
+    assert moe_options(spec, None)["moe_router_pre_softmax"] is False  # norm_topk_prob: softmax over the top k
+    with pytest.raises(ConfigError, match="model.moe_aux_loss_coef: must be a number >= 0 or null"):
+        ModelConfig(path="m", moe_aux_loss_coef=-1)
+    dense = model_spec_from_hf({**QWEN3_MOE, "architectures": ["Qwen3ForCausalLM"]})
+    with pytest.raises(ConfigError, match="model.moe_aux_loss_coef: 0.01, but Qwen3ForCausalLM is a dense model"):
+        moe_options(dense, 0.01)
+
+
+def test_a_resume_checks_the_experts_as_trainer_state_json_holds_them():
+    import dataclasses
+    import json
+
+    from megatron_dapo.checkpoint.safetensors_io import CheckpointError
+    from megatron_dapo.checkpoint.trainer_checkpoint import check_model_shape
+
+    spec = model_spec_from_hf({**QWEN3_MOE, "mlp_only_layers": [1]})
+    saved = {"model": json.loads(json.dumps(dataclasses.asdict(spec)))}  # moe_layers a list, as JSON has it
+    check_model_shape(saved, spec, "ckpt")
+    with pytest.raises(CheckpointError, match=r"different model shape: num_experts=8 \(this model: 16\)"):
+        check_model_shape(saved, dataclasses.replace(spec, num_experts=16), "ckpt")
+    dense = model_spec_from_hf({**QWEN3_MOE, "architectures": ["Qwen3ForCausalLM"]})
+    before_moe = {"model": {k: v for k, v in dataclasses.asdict(dense).items() if k in (
+        f.name for f in dataclasses.fields(dense) if f.default is dataclasses.MISSING)}}
+    check_model_shape(before_moe, dense, "ckpt")  # a dense checkpoint saved before the expert fields existed
