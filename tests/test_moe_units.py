@@ -159,3 +159,27 @@ def test_a_resume_checks_the_experts_as_trainer_state_json_holds_them():
     before_moe = {"model": {k: v for k, v in dataclasses.asdict(dense).items() if k in (
         f.name for f in dataclasses.fields(dense) if f.default is dataclasses.MISSING)}}
     check_model_shape(before_moe, dense, "ckpt")  # a dense checkpoint saved before the expert fields existed
+
+
+def test_routes_travel_with_their_sequences_into_micro_batches():
+    routes = torch.tensor([[[3, 1]], [[2, 0]], [[1, 2]]], dtype=torch.int16)  # 3 tokens, 1 MoE layer, top 2
+    seqs = [Sequence(torch.arange(1, 4), 1, routes), Sequence(torch.arange(1, 6), 2, torch.zeros(5, 1, 2).long())]
+    mbs = micro_batches(seqs, max_tokens=100, length_multiple=2)
+    assert len(mbs) == 1 and mbs[0].routes.shape == (2, 6, 1, 2)
+    row = mbs[0].sample_index.index(0)
+    assert torch.equal(mbs[0].routes[row, :3], routes)
+    assert torch.equal(mbs[0].routes[row, 3:], torch.tensor([[[0, 1]]] * 3, dtype=torch.int16))  # padding
+    without = micro_batches([seqs[0], Sequence(torch.arange(1, 6), 2)], max_tokens=100)
+    assert without[0].routes is None and without[0].routes_missing == [1]
+
+
+def test_bad_routes_and_replay_of_a_dense_model_are_refused():
+    from megatron_dapo.policy.batch import check_sequences
+    from megatron_dapo.policy.model import moe_options
+
+    with pytest.raises(ValueError, match=r"sequence 0: routes must be integer expert ids \[tokens = 3"):
+        check_sequences([Sequence(torch.arange(3), 1, torch.zeros(2, 1, 2).long())], 96)
+    dense = model_spec_from_hf({**QWEN3_MOE, "architectures": ["Qwen3ForCausalLM"]})
+    with pytest.raises(ConfigError, match="rollout.routing_replay: Qwen3ForCausalLM is a dense model"):
+        moe_options(dense, None, routing_replay=True)
+    assert moe_options(model_spec_from_hf(QWEN3_MOE), None, routing_replay=True)["moe_enable_routing_replay"]

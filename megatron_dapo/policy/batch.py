@@ -17,6 +17,9 @@ import torch
 class Sequence:
     tokens: torch.Tensor  # [prompt + response] token ids
     prompt_len: int
+    # A mixture of experts' routes from the rollout (routing replay): [tokens, MoE layers, top_k] expert ids, the
+    # experts each position went to (policy/routing_replay.py)
+    routes: torch.Tensor | None = None
 
     @property
     def response_len(self) -> int:
@@ -30,6 +33,10 @@ class MicroBatch:
     response_positions: torch.Tensor  # flat positions in [rows * length] whose logits predict response tokens
     sample_index: list[int]  # which input sequence each row is
     response_lens: list[int]
+    # [rows, length, MoE layers, top_k] when every row has routes (padding routed to experts 0..k-1); else None, and
+    # the sequences without them are named here
+    routes: torch.Tensor | None = None
+    routes_missing: list[int] | None = None
 
     @property
     def num_response_tokens(self) -> int:
@@ -46,6 +53,10 @@ def check_sequences(sequences: list[Sequence], max_positions: int) -> None:
         if s.tokens.numel() > max_positions:
             raise ValueError(f"sequence {i}: {s.tokens.numel()} tokens exceed the model's max_position_embeddings "
                              f"{max_positions}; truncate the response (rollout max_new_tokens) or the prompt")
+        if s.routes is not None and (s.routes.dim() != 3 or s.routes.shape[0] != s.tokens.numel()
+                                     or s.routes.is_floating_point()):
+            raise ValueError(f"sequence {i}: routes must be integer expert ids [tokens = {s.tokens.numel()}, MoE "
+                             f"layers, top_k], got {s.routes.dtype} {tuple(s.routes.shape)}")
 
 
 def padded_length(length: int, multiple: int) -> int:
@@ -107,8 +118,21 @@ def make_micro_batch(sequences: list[Sequence], index: list[int], length_multipl
         targets[r, : n - 1] = s.tokens[1:]
         # The logits at position p predict token p + 1: response tokens [prompt_len, n) come from [prompt_len - 1, n - 1).
         positions.append(torch.arange(s.prompt_len - 1, n - 1) + r * length)
+    missing = [i for i, s in zip(index, rows) if s.routes is None]
+    routes = _routes([s.routes for s in rows], length) if not missing else None
     return MicroBatch(input_ids, targets.reshape(-1), torch.cat(positions), list(index),
-                      [s.response_len for s in rows])
+                      [s.response_len for s in rows], routes, missing)
+
+
+def _routes(per_row: list[torch.Tensor], length: int) -> torch.Tensor:
+    """[rows, length, MoE layers, k] from each row's [tokens, MoE layers, k]; padding goes to experts 0..k-1 (what a
+    padding position computes reaches no loss, and no other position: causal attention)."""
+    first = per_row[0]
+    out = torch.arange(first.shape[-1], dtype=first.dtype).expand(len(per_row), length, *first.shape[1:]).clone()
+    for row, r in enumerate(per_row):
+        if r.shape[0]:
+            out[row, : r.shape[0]] = r
+    return out
 
 
 def micro_batches(sequences: list[Sequence], max_tokens: int, length_multiple: int = 1,

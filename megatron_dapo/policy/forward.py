@@ -60,6 +60,18 @@ def model_micro_batches(config, sequences: list[Sequence], max_tokens: int, devi
     return micro_batches(sequences, max_tokens, multiple, count)
 
 
+def route_replayer(model):
+    """A RouteReplayer for a model built with routing replay, emptied for a new pass; None for the others."""
+    from megatron_dapo.policy.routing_replay import RouteReplayer
+
+    config = model.config
+    if not getattr(config, "moe_enable_routing_replay", False):
+        return None
+    replayer = RouteReplayer(model)
+    replayer.begin()
+    return replayer
+
+
 def model_forward(model, mb: MicroBatch, device: torch.device):
     ids = mb.input_ids.to(device)
     position_ids = torch.arange(ids.shape[1], device=device).expand_as(ids)
@@ -86,9 +98,13 @@ def response_logprobs(model, sequences: list[Sequence], *, vocab_size: int, max_
         logp, entropy = micro_batch_logprobs(logits, mb, vocab_size, inplace_backward=False, temperature=temperature)
         return logits.new_zeros(()), {"logp": logp, "entropy": entropy}
 
+    replayer = route_replayer(model)
+
     def forward_step(data_iterator, model):
         mb = next(data_iterator)
-        return model_forward(model, mb, device), partial(loss_func, mb)
+        if replayer is None:
+            return model_forward(model, mb, device), partial(loss_func, mb)
+        return replayer.before_forward(mb, recompute=False)(model_forward(model, mb, device)), partial(loss_func, mb)
 
     outputs = get_forward_backward_func()(
         forward_step_func=forward_step, data_iterator=iter(mbs), model=[model], num_microbatches=len(mbs),

@@ -65,7 +65,7 @@ def recompute_options(activation_recompute: str) -> dict:
 
 def transformer_config(spec: ModelSpec, parallel: ParallelConfig, params_dtype: torch.dtype | None = None,
                        initialize: bool = True, activation_recompute: str = "none",
-                       moe_aux_loss_coef: float | None = None):
+                       moe_aux_loss_coef: float | None = None, routing_replay: bool = False):
     """bf16 on GPUs (and device-faithful on the CPU), else fp32, unless `params_dtype` says otherwise (the
     converter keeps the file's).
     `initialize=False` leaves the weights unset, for a model that is about to be filled from a checkpoint.
@@ -115,20 +115,24 @@ def transformer_config(spec: ModelSpec, parallel: ParallelConfig, params_dtype: 
         sequence_parallel=parallel.sequence_parallel,
         expert_model_parallel_size=parallel.expert_parallel,
         expert_tensor_parallel_size=1,
-        **moe_options(spec, moe_aux_loss_coef),
+        **moe_options(spec, moe_aux_loss_coef, routing_replay),
         **recompute_options(activation_recompute),
     )
 
 
-def moe_options(spec: ModelSpec, aux_loss_coef: float | None) -> dict:
+def moe_options(spec: ModelSpec, aux_loss_coef: float | None, routing_replay: bool = False) -> dict:
     """megatron-core's TransformerConfig fields for the model's experts and router, routing as transformers
     does: a softmax over the experts and their top k; with norm_topk_prob the k probabilities renormalised, which
     is the softmax over the k logits (megatron's moe_router_pre_softmax False), else the softmax over all.
-    `aux_loss_coef`: the load-balancing loss's coefficient, None for config.json's router_aux_loss_coef."""
+    `aux_loss_coef`: the load-balancing loss's coefficient, None for config.json's router_aux_loss_coef.
+    `routing_replay`: the routers take the experts each token is given (policy/routing_replay.py)."""
     if not spec.is_moe:
         if aux_loss_coef is not None:
             raise ConfigError(f"model.moe_aux_loss_coef: {aux_loss_coef}, but {spec.architecture} is a dense model "
                               "(no router to balance); remove it")
+        if routing_replay:
+            raise ConfigError(f"rollout.routing_replay: {spec.architecture} is a dense model (no router to replay); "
+                              "set rollout.routing_replay to false")
         return {}
     return {
         "num_moe_experts": spec.num_experts,
@@ -141,6 +145,7 @@ def moe_options(spec: ModelSpec, aux_loss_coef: float | None) -> dict:
         # The fused router skips routing replay, and both fusions need Transformer Engine.
         "moe_router_fusion": False,
         "moe_permute_fusion": False,
+        "moe_enable_routing_replay": routing_replay,
     }
 
 
@@ -186,14 +191,16 @@ def stage_layer_specs(spec: ModelSpec, parallel: ParallelConfig, te: bool, pp_ra
 
 def build_model(spec: ModelSpec, parallel: ParallelConfig, *, pre_process: bool, post_process: bool,
                 params_dtype: torch.dtype | None = None, initialize: bool = True, activation_recompute: str = "none",
-                moe_aux_loss_coef: float | None = None):
+                moe_aux_loss_coef: float | None = None, routing_replay: bool = False):
     """GPTModel for this pipeline stage; logits stay split over the vocabulary (parallel_output).
     `activation_recompute="full"` for a model that is trained (see recompute_options); a frozen or forward-only
-    model keeps no activations for a backward, so it has nothing to recompute."""
+    model keeps no activations for a backward, so it has nothing to recompute. `routing_replay`: its routers take
+    each token's experts from the batch (policy/routing_replay.py; a mixture of experts only)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
-    config = transformer_config(spec, parallel, params_dtype, initialize, activation_recompute, moe_aux_loss_coef)
+    config = transformer_config(spec, parallel, params_dtype, initialize, activation_recompute, moe_aux_loss_coef,
+                                routing_replay)
     te = use_transformer_engine(parallel)
     model = GPTModel(
         config=config,
@@ -216,4 +223,8 @@ def build_model(spec: ModelSpec, parallel: ParallelConfig, *, pre_process: bool,
         model.bfloat16()
     if tensors_on_gpu(parallel):  # what megatron-core builds on the host (norms) goes to the GPU too
         model.cuda(torch.cuda.current_device())
+    if routing_replay:
+        from megatron_dapo.policy.routing_replay import forget_global_instances
+
+        forget_global_instances()
     return model

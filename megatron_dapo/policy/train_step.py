@@ -25,7 +25,13 @@ from megatron_dapo.ops.dapo_loss_checks import STAT_NAMES
 from megatron_dapo.ops.host_sync import no_host_sync
 from megatron_dapo.ops.loss_aggregation import aggregation_weights
 from megatron_dapo.policy.batch import MicroBatch, Sequence, check_sequences
-from megatron_dapo.policy.forward import is_last_stage, micro_batch_logprobs, model_forward, model_micro_batches
+from megatron_dapo.policy.forward import (
+    is_last_stage,
+    micro_batch_logprobs,
+    model_forward,
+    model_micro_batches,
+    route_replayer,
+)
 from megatron_dapo.policy.hf_config import ModelSpec
 from megatron_dapo.policy.model import build_model
 
@@ -73,7 +79,7 @@ class PolicyTrainer:
     def __init__(self, spec: ModelSpec, parallel: ParallelConfig, device: torch.device, optim: OptimConfig,
                  loss: LossConfig, max_tokens_per_micro_batch: int, activation_recompute: str = "none",
                  updates_per_step: int = 1, temperature: float = 1.0, params_dtype: torch.dtype | None = None,
-                 moe_aux_loss_coef: float | None = None):
+                 moe_aux_loss_coef: float | None = None, routing_replay: bool = False):
         """`activation_recompute`: model.activation_recompute ("full": each layer keeps only its input and
         recomputes the rest in the backward). Forward-only passes are unaffected: megatron-core recomputes only in
         training mode, and under no_grad its checkpoint keeps nothing for a backward either.
@@ -84,7 +90,8 @@ class PolicyTrainer:
         `params_dtype`: the model's (model.training_dtype; default bf16 on GPUs, fp32 on the CPU); with bf16 the
         optimizer keeps an fp32 master copy of the weights (load them with load_policy_weights).
         `moe_aux_loss_coef`: model.moe_aux_loss_coef, a mixture of experts' load-balancing loss coefficient (None:
-        the model's config.json's)."""
+        the model's config.json's).
+        `routing_replay`: every router takes the experts the samples' sequences carry (policy/routing_replay.py)."""
         from megatron.core import parallel_state
         from megatron.core.distributed import (
             DistributedDataParallel,
@@ -101,7 +108,9 @@ class PolicyTrainer:
         self.temperature = temperature
         model = build_model(spec, parallel, pre_process=parallel_state.is_pipeline_first_stage(),
                             post_process=parallel_state.is_pipeline_last_stage(), params_dtype=params_dtype,
-                            activation_recompute=activation_recompute, moe_aux_loss_coef=moe_aux_loss_coef)
+                            activation_recompute=activation_recompute, moe_aux_loss_coef=moe_aux_loss_coef,
+                            routing_replay=routing_replay)
+        self.recompute = activation_recompute == "full"
         config = model.config
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                    use_distributed_optimizer=optim.distributed_optimizer,
@@ -167,10 +176,13 @@ class PolicyTrainer:
         if any((s.loss_weight is not None) != weighted for s in samples):
             raise ValueError("RolloutSample.loss_weight: give it for every sample of a step or for none")
 
+        replayer = route_replayer(self.module)
+
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
+            on_output = replayer.before_forward(mb, self.recompute) if replayer is not None else (lambda out: out)
             if not mb.sample_index:  # a filler (expert parallelism): its forward and backward, and nothing else
-                return model_forward(model, mb, dev), self._filler_loss
+                return on_output(model_forward(model, mb, dev)), self._filler_loss
             rows = [samples[i] for i in mb.sample_index]
             old = torch.cat([r.old_logp for r in rows]).to(dev, torch.float32)
             adv = torch.cat([r.advantages for r in rows]).to(dev, torch.float32)
@@ -181,7 +193,8 @@ class PolicyTrainer:
             if aggregate is not None:
                 weight = aggregate if weight is None else weight * aggregate
             ref = torch.cat([r.ref_logp for r in rows]).to(dev, torch.float32) if with_ref else None
-            return model_forward(model, mb, dev), partial(self._loss_func, mb, old, adv, mask, weight, ref, units)
+            return on_output(model_forward(model, mb, dev)), partial(self._loss_func, mb, old, adv, mask, weight, ref,
+                                                                     units)
 
         lr = self.optim.lr_at(self.step_count, self.updates_per_step)
         for group in self.optimizer.param_groups:

@@ -1,0 +1,100 @@
+"""Routing replay: the trainer's routers choose the experts the rollout engine chose, token by token.
+
+The engine and the trainer compute a router's top-k with different kernels, so the same token can reach other
+experts on the two sides (Megatron-LM's report on Qwen3-30B-A3B: 94% of tokens in at least one layer), and the
+trainer's log-probs are then those of another computation than the one sampled. With replay each sequence carries
+its routes, `[tokens, MoE layers, top_k]` expert ids (every position the model processes, prompt included), and
+every router of the trainer takes them instead of its own top-k, in the old-log-prob recompute and in training. The
+router's probabilities are still its own scores at those experts, so its gradient flows (megatron-core's
+RouterReplay: `scores.gather(1, routes)`).
+
+Layout: a router sees its micro-batch as `[length, rows]` flattened (sequence-major), and with sequence
+parallelism only its tensor-parallel rank's slice of the length. Each stage's routers are its MoE layers in order.
+With activation recompute a layer's forward runs again inside the backward, after later micro-batches' forwards
+(1F1B): each router then replays from a queue, in the order the forwards ran (megatron-core's REPLAY_BACKWARD).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_dapo.policy.batch import MicroBatch
+
+
+class RoutesMissing(ValueError):
+    """Routing replay is on and a sequence came without its routes."""
+
+
+def routers_of(model) -> list:
+    """The stage's MoE routers (megatron-core TopKRouter modules), in layer order."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    return [m for m in model.modules() if isinstance(m, TopKRouter)]
+
+
+def forget_global_instances() -> None:
+    """megatron-core keeps every RouterReplay ever built in a class-global list, for its static API; this code
+    addresses each router's own, so the list would only hold models that are gone."""
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    RouterReplay.clear_global_router_replay_instances()
+
+
+class RouteReplayer:
+    """Forces the routers of one model stage to the micro-batches' routes, pass by pass."""
+
+    def __init__(self, model):
+        self.routers = routers_of(model)
+        if not self.routers or any(r.router_replay is None for r in self.routers):
+            raise ValueError("RouteReplayer: the model has no router built for replay (build it with "
+                             "routing_replay=True)")
+        config = self.routers[0].config
+        # a router's layer_number counts from 1 over the whole pipeline; its MoE layer index counts the sparse ones
+        self.layers = [sum(config.moe_layer_freq[: r.layer_number - 1]) for r in self.routers]
+        self.topk = config.moe_router_topk
+        self.tp = config.tensor_model_parallel_size if config.sequence_parallel else 1
+
+    def begin(self) -> None:
+        """Before a pass over micro-batches (a recompute, a training step): empty every router's queue."""
+        for r in self.routers:
+            r.router_replay.clear_indices()
+
+    def before_forward(self, mb: MicroBatch, recompute: bool):
+        """Set each router to `mb`'s routes; returns what to call on the forward's output (a hook that switches the
+        routers to their queues when that micro-batch's backward starts, where its layers are recomputed)."""
+        from megatron.core import parallel_state
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        if not mb.sample_index:  # a filler: padding, routed to experts 0..k-1
+            routes = torch.arange(self.topk).expand(*mb.input_ids.shape, len(self.layers), self.topk)
+        elif mb.routes is None:
+            raise RoutesMissing(
+                f"sequence {mb.routes_missing[0]} has no routes, and routing replay is on: the rollout engine must "
+                "return the experts it chose for every token (SGLang: --enable-return-routed-experts); replay never "
+                "falls back to the trainer's own routing")
+        else:
+            routes = mb.routes[:, :, self.layers]  # [rows, length, my layers, k]
+        routes = routes.transpose(0, 1)  # the routers' order: [length, rows]
+        if self.tp > 1:  # sequence parallelism: this rank's slice of the length
+            part = routes.shape[0] // self.tp
+            rank = parallel_state.get_tensor_model_parallel_rank()
+            routes = routes[rank * part:(rank + 1) * part]
+        routes = routes.reshape(-1, *routes.shape[2:]).long()
+        for i, r in enumerate(self.routers):
+            r.router_replay.set_target_indices(routes[:, i].contiguous())
+            r.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+
+        def on_output(output):
+            if recompute and output.requires_grad:
+                output.register_hook(self._to_queues)
+            return output
+
+        return on_output
+
+    def _to_queues(self, grad):
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        for r in self.routers:
+            r.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
+        return grad
+
