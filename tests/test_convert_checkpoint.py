@@ -212,6 +212,14 @@ def test_unsupported_architecture(source, tmp_path):
     assert _nothing_written(tmp_path / "out")
 
 
+def test_a_mixture_of_experts_is_refused_until_its_layout_is_written(tmp_path):
+    hf, _ = hf_model("qwen3_moe")
+    hf.save_pretrained(tmp_path / "moe")
+    with pytest.raises(CheckpointError, match="Qwen3MoeForCausalLM: converting a mixture of experts is not supported"):
+        hf_to_mcore(tmp_path / "moe", tmp_path / "out", tp=1, pp=1)
+    assert not (tmp_path / "out").exists()
+
+
 def test_output_that_already_holds_a_checkpoint(source, tmp_path):
     out = tmp_path / "out"
     out.mkdir()

@@ -12,6 +12,7 @@ PARITY = ["tp1-ep1-pp1", "tp1-ep2-pp1", "tp2-ep2-pp1-sp", "tp1-ep2-pp2"]
 BASE = "tp1-ep1-pp1-mb100000"  # no expert parallelism, one micro-batch per rank
 SPLITS = ["tp1-ep2-pp1-mb62", "tp1-ep2-pp1-mb62-r", "tp2-ep2-pp1-sp-mb200", "tp1-ep2-pp2-mb200",
           "tp1-ep2-pp2-mb200-r"]
+AUX = "tp1-ep2-pp2-mb200-aux"  # the same step with model.moe_aux_loss_coef 0.01
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +30,8 @@ def runs(tmp_path_factory):
                 change[name] = delta
         return json.loads((out / f"{tag}.json").read_text()), change
 
-    return {"parity": json.loads((out / "parity.json").read_text()), **{t: step(t) for t in [BASE, *SPLITS]}}
+    return {"parity": json.loads((out / "parity.json").read_text()),
+            **{t: step(t) for t in [BASE, *SPLITS, AUX]}}
 
 
 @pytest.mark.parametrize("layout", PARITY)
@@ -63,3 +65,15 @@ def test_one_step_is_the_same_whatever_the_split(runs, split):
     assert meta["grad_norm"] == pytest.approx(base_meta["grad_norm"], rel=1e-5)
     assert meta["loss"] == pytest.approx(base_meta["loss"], rel=1e-5)
     assert meta["num_tokens"] == base_meta["num_tokens"]
+
+
+def test_the_load_balancing_loss_is_reported_and_acts_on_the_routers(runs):
+    """With a coefficient the step reports the loss's value (megatron-core's switch loss: 1 for a perfectly even
+    routing, up to the expert count for all tokens on one expert) and moves the routers differently; at 0 it is not
+    computed."""
+    (plain_meta, plain), (aux_meta, aux) = runs["tp1-ep2-pp2-mb200"], runs[AUX]
+    assert plain_meta["load_balancing_loss"] is None
+    assert 0.9 < aux_meta["load_balancing_loss"] < 4
+    routers = [k for k in plain if k.endswith("mlp.gate.weight")]
+    assert all((aux[k] - plain[k]).abs().max() > 1e-7 for k in routers)
+    assert aux_meta["loss"] == pytest.approx(plain_meta["loss"], rel=1e-6)  # the policy loss is the same

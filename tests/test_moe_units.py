@@ -183,3 +183,19 @@ def test_bad_routes_and_replay_of_a_dense_model_are_refused():
     with pytest.raises(ConfigError, match="rollout.routing_replay: Qwen3ForCausalLM is a dense model"):
         moe_options(dense, None, routing_replay=True)
     assert moe_options(model_spec_from_hf(QWEN3_MOE), None, routing_replay=True)["moe_enable_routing_replay"]
+
+
+def test_the_steps_metrics_carry_the_load_balancing_loss_when_there_is_one():
+    from megatron_dapo.config import LossConfig
+    from megatron_dapo.loop.step_metrics import train_metrics
+    from megatron_dapo.ops.dapo_loss_checks import STAT_NAMES
+    from megatron_dapo.policy.train_step import StepResult
+
+    def update(balance):
+        return StepResult(0.5, 1.0, 1e-6, {**dict.fromkeys(STAT_NAMES, 0.0), "num_tokens": 10.0}, units=10.0,
+                          load_balancing_loss=balance)
+
+    loss = LossConfig(old_logprobs="rollout")
+    assert train_metrics([update(1.2), update(1.4)], None, None, loss)["moe/load_balancing_loss"] == \
+        pytest.approx(1.3)
+    assert "moe/load_balancing_loss" not in train_metrics([update(None)], None, None, loss)

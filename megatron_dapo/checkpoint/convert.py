@@ -48,6 +48,14 @@ from megatron_dapo.policy.hf_config import ModelSpec, model_spec_from_hf
 from megatron_dapo.policy.model import check_divisibility, padded_vocab_size
 
 
+def _refuse_experts(spec: ModelSpec) -> None:
+    """megatron-core stores a mixture of experts' layers one key per layer, each expert a slice of it: a layout
+    the streaming writer and reader do not produce yet (export from a trainer instead: checkpoint/hf_export.py)."""
+    if spec.is_moe:
+        raise CheckpointError(f"{spec.architecture}: converting a mixture of experts is not supported yet; a trainer "
+                              "loads its Hugging Face folder directly (model.path) and exports one")
+
+
 def _check_output(out: Path) -> None:
     if holds_checkpoint(out):
         raise CheckpointError(f"{out}: already holds a checkpoint; choose a new output folder or remove it")
@@ -74,6 +82,7 @@ def hf_to_mcore(input_dir, output_dir, *, tp: int, pp: int) -> Path:
     _check_output(out)
     ckpt = HFCheckpoint(input_dir)
     spec = model_spec_from_hf(ckpt.config)
+    _refuse_experts(spec)
     ckpt.validate(spec)
     check_divisibility(spec, ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp, device="cpu"))
     dtype = _checkpoint_dtype(ckpt)
@@ -123,6 +132,7 @@ def mcore_to_hf(input_dir, output_dir, *, hf_config=None, max_shard_bytes: int =
         raise CheckpointError(f"{hf_dir}: no config.json; pass --hf-config with the model's Hugging Face folder")
     config = json.loads((hf_dir / "config.json").read_text())
     spec = model_spec_from_hf(config)
+    _refuse_experts(spec)
     reader = McoreCheckpointReader(input_dir)
     reader.validate(spec)
     bar = _progress(sum(len(hf_names(m, spec)) for m in megatron_names(spec)), "mcore -> hf")

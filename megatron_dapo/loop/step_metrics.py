@@ -44,6 +44,9 @@ def train_metrics(results, sums, abs_max, loss: LossConfig) -> dict[str, float]:
         "updates": len(results),
         "updates_skipped": sum(not r.applied for r in results),
     }
+    balance = [r.load_balancing_loss for r in results if r.load_balancing_loss is not None]
+    if balance:  # a mixture of experts' load-balancing loss (model.moe_aux_loss_coef > 0), before its coefficient
+        out["moe/load_balancing_loss"] = sum(balance) / len(balance)
     recomputed = loss.old_logprobs != "rollout"
     if not recomputed:  # no old policy's pass: the entropy of the updates' forwards, and no mismatch
         out["entropy"] = sum(r.entropy_mean * r.stats["num_tokens"] for r in results) / loss_tokens

@@ -71,6 +71,9 @@ class StepResult:
     units: float = 0.0
     entropy_mean: float = 0.0
     applied: bool = True  # False: the loss or a gradient was not finite and the update was skipped
+    # A mixture of experts with a load-balancing loss (model.moe_aux_loss_coef > 0): its value before the
+    # coefficient, the mean over the MoE layers and the micro-batches; None otherwise.
+    load_balancing_loss: float | None = None
 
 
 class PolicyTrainer:
@@ -206,6 +209,7 @@ class PolicyTrainer:
             seq_length=max(mb.input_ids.shape[1] for mb in mbs), micro_batch_size=1, forward_only=False,
         )
         result = self._reduce_metrics(outputs, lr, parallel_state)
+        result.load_balancing_loss = self._load_balancing_loss(len(mbs))
         self.step_count += 1
         if not self._finite(result.loss):  # every rank agrees: nothing is applied
             return dataclasses.replace(result, applied=False)
@@ -213,6 +217,25 @@ class PolicyTrainer:
         if not ok:
             raise RuntimeError("optimizer step skipped: non-finite gradients")
         return dataclasses.replace(result, grad_norm=float(grad_norm))
+
+    def _load_balancing_loss(self, micro_batches: int) -> float | None:
+        """The step's load-balancing loss from megatron-core's tracker (which its routers fill in training), reduced
+        over the pipeline, tensor and data-parallel ranks as megatron-core reduces it; then emptied for the next
+        step. Collective."""
+        config = self.module.config
+        if not config.num_moe_experts or not config.moe_aux_loss_coeff:
+            return None
+        from megatron.core.transformer.moe import moe_utils
+
+        name = "load_balancing_loss"
+        tracker = moe_utils.get_moe_layer_wise_logging_tracker()
+        # a stage without MoE layers has no entry, and still takes part in the sum over the pipeline
+        entry = tracker.setdefault(name, {"values": torch.zeros(config.num_layers, device=self.device)})
+        entry["values"] /= micro_batches  # each layer's sum over this rank's micro-batches -> their mean
+        moe_utils.reduce_aux_losses_tracker_across_ranks([name])
+        value = entry["values"].sum() / sum(config.moe_layer_freq)
+        moe_utils.clear_aux_losses_tracker()
+        return value.item()
 
     def _finite(self, loss: float) -> bool:
         """The step's loss (the same on every rank) and every rank's gradients are finite."""

@@ -7,7 +7,8 @@ Writes into the folder argv[1]:
   checkpoint exported from that layout and the weight sync's buckets against the source checkpoint;
 - per training layout, {tag}-rank{r}.pt (the weight change of one Adam step at lr = eps, i.e. minus the
   gradient, under the HF names of the tensors this rank holds, tensor-parallel shards gathered) and {tag}.json (the
-  step's loss and grad norm).
+  step's loss, grad norm and load-balancing loss), without a load-balancing loss and, at one layout ("-aux"), with
+  one.
 """
 
 import json
@@ -98,7 +99,8 @@ def held_hf_state(model, spec, parallel) -> dict:
     return out
 
 
-def training_case(out_dir, spec, get, hf, layout) -> None:
+def training_case(out_dir, spec, get, hf, layout, aux_loss_coef: float = 0.0) -> None:
+    """`aux_loss_coef`: the load-balancing loss's; 0 (the split invariance: it is computed per micro-batch)."""
     from megatron.core import parallel_state
 
     tp, ep, pp, sp, mb_tokens, recompute = layout
@@ -106,22 +108,21 @@ def training_case(out_dir, spec, get, hf, layout) -> None:
     runtime = init_runtime(parallel)
     # First Adam step with eps >> |g|: the change is lr * g / (|g| + eps), i.e. minus the gradient for lr = eps.
     optim = OptimConfig(lr=1e3, adam_eps=1e3, warmup_steps=0, weight_decay=0.0, clip_grad=0.0)
-    # No load-balancing loss: it is computed per micro-batch, so it (rightly) depends on the split.
     trainer = PolicyTrainer(spec, parallel, runtime.device, optim, LossConfig(dual_clip_c=3.0), mb_tokens,
                             activation_recompute="full" if recompute else "none", params_dtype=PARITY_DTYPE,
-                            moe_aux_loss_coef=0.0)
+                            moe_aux_loss_coef=aux_loss_coef)
     load_policy_weights(trainer, get)
     dp, dp_rank = runtime.data_parallel, parallel_state.get_data_parallel_rank()
     mine = batch(hf)[dp_rank::dp]
     before = held_hf_state(trainer.module, spec, parallel)
     result = trainer.step(mine)
     after = held_hf_state(trainer.module, spec, parallel)
-    tag = layout_tag(*layout)
+    tag = layout_tag(*layout) + ("-aux" if aux_loss_coef else "")
     torch.save({k: after[k] - before[k] for k in after}, os.path.join(out_dir, f"{tag}-rank{dist.get_rank()}.pt"))
     if dist.get_rank() == 0:
         with open(os.path.join(out_dir, f"{tag}.json"), "w") as f:
-            json.dump({"loss": result.loss, "grad_norm": result.grad_norm, "num_tokens": result.stats["num_tokens"]},
-                      f)
+            json.dump({"loss": result.loss, "grad_norm": result.grad_norm, "num_tokens": result.stats["num_tokens"],
+                       "load_balancing_loss": result.load_balancing_loss}, f)
     del trainer
     reset_parallel_layout()
 
@@ -147,6 +148,7 @@ def main(out_dir: str) -> None:
             json.dump(parity, f)
     for layout in TRAINING:
         training_case(out_dir, spec, ckpt.get, hf, layout)
+    training_case(out_dir, spec, ckpt.get, hf, TRAINING[-2], aux_loss_coef=0.01)
     shutdown_runtime()
 
 
