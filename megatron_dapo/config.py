@@ -261,6 +261,10 @@ class RolloutConfig:
     # Servers sample bitwise reproducibly per (request, seed), whatever else is batched, so a resumed run
     # repeats the interrupted one (SGLang's --enable-deterministic-inference; slower).
     deterministic: bool = False
+    # A mixture of experts: the engine returns the experts its routers chose for every token, and the trainer's
+    # routers take them in the old-log-prob recompute and in training (policy/routing_replay.py). A dense model
+    # refuses it.
+    routing_replay: bool = False
     max_in_flight: int = 64
     # Seconds one /generate call (a group) may take, including its wait in the SGLang server's queue behind
     # the other groups in flight; `megatron-dapo preflight` estimates the worst case.
@@ -316,6 +320,8 @@ class RolloutConfig:
                  "softmax(logits / rollout.temperature), so the PPO ratio, the truncated-IS weights and the mismatch "
                  "metrics would describe a distribution other than the one sampled from; set rollout.top_p to 1.0 "
                  "(evaluation samples at eval.top_p, which may be anything)")
+        _require(isinstance(self.routing_replay, bool), "rollout.routing_replay",
+                 f"must be true or false, got {self.routing_replay!r}")
         _whole(self.num_servers, "rollout.num_servers", 1)
         _whole(self.server_tensor_parallel, "rollout.server_tensor_parallel", 1)
         _require(self.server_device in ("cuda", "cpu"), "rollout.server_device",

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 
 @dataclass(frozen=True)
 class PromptItem:
@@ -31,6 +33,16 @@ class Sample:
     # (version, first token, end) of each run of output tokens sampled by one version of the weights, when
     # the engine reports them: weights pushed into a running server (partial rollouts) start a new run.
     version_spans: tuple[tuple[str, int, int], ...] = ()
+    # A mixture of experts' routes when the engine returns them (rollout.routing_replay): [positions, MoE layers,
+    # top_k] expert ids of every position the engine ran through the model, prompt then output (the last output
+    # token is never run: len(prompt) + len(output) - 1 rows), as route_dtype(num_experts) makes them.
+    routes: np.ndarray | None = None
+
+
+def route_dtype(num_experts: int) -> np.dtype:
+    """The smallest integer type for expert ids: uint8 up to 256 experts (Qwen3-MoE's 128), int16 beyond. At the
+    paper's scale (512 x 16 responses of 20k tokens, 48 layers, top 8) a batch's routes are 63 GB in uint8."""
+    return np.dtype(np.uint8) if num_experts <= 256 else np.dtype(np.int16)
 
 
 def version_number(version: str) -> int:
@@ -48,3 +60,4 @@ class TrainItem:
     rollout_logp: list[float]  # the inference engine's log-prob of each output token
     advantage: float
     in_loss: bool  # False: left out of the loss (overlong filtering)
+    routes: np.ndarray | None = None  # Sample.routes

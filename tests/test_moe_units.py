@@ -177,8 +177,9 @@ def test_bad_routes_and_replay_of_a_dense_model_are_refused():
     from megatron_dapo.policy.batch import check_sequences
     from megatron_dapo.policy.model import moe_options
 
-    with pytest.raises(ValueError, match=r"sequence 0: routes must be integer expert ids \[tokens = 3"):
-        check_sequences([Sequence(torch.arange(3), 1, torch.zeros(2, 1, 2).long())], 96)
+    with pytest.raises(ValueError, match=r"sequence 0: routes must be integer expert ids \[tokens = 3 \(or 2"):
+        check_sequences([Sequence(torch.arange(3), 1, torch.zeros(1, 1, 2).long())], 96)
+    check_sequences([Sequence(torch.arange(3), 1, torch.zeros(2, 1, 2).long())], 96)  # the last token's left out
     dense = model_spec_from_hf({**QWEN3_MOE, "architectures": ["Qwen3ForCausalLM"]})
     with pytest.raises(ConfigError, match="rollout.routing_replay: Qwen3ForCausalLM is a dense model"):
         moe_options(dense, None, routing_replay=True)

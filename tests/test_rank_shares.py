@@ -53,7 +53,10 @@ def test_packing_keeps_every_field():
     assert share.rollout_logp.tolist() == [x for it in items for x in it.rollout_logp]  # float64: exact
     assert share.advantages.tolist() == [it.advantage for it in items]
     assert share.in_loss.tolist() == [it.in_loss for it in items] and share.update_sizes.tolist() == [5, 7]
-    assert share.nbytes == 4 * share.tokens.numel() + 8 * share.rollout_logp.numel() + 8 * 12 * 3 + 12 + 8 * 2
+    # the batch's routes (a MoE's, uint8): a byte per id, 8 per response for its row count, 3 x 8 for the layout
+    assert share.nbytes == 4 * share.tokens.numel() + 8 * share.rollout_logp.numel() + 8 * 12 * 3 + 12 + 8 * 2 + \
+        share.routes.numel() + 8 * 12 + 8 * 3
+    assert share.routes.numel() == sum(it.routes.size for it in items)
     empty = PackedShare.pack([])
     assert len(empty) == 0 and empty.sequences() == []
 
@@ -71,8 +74,9 @@ def test_each_rank_receives_its_replicas_share_and_nothing_else(tmp_path):
         assert record["advantages"] == [it.advantage for it in items]
         assert record["in_loss"] == [it.in_loss for it in items]
         assert record["update_sizes"] == [len(u) for u in want]
+        assert record["routes"] == [it.routes.tolist() for it in items]  # a MoE's routes, uint8 ids as bytes
         assert record["dtypes"] == ["torch.int32", "torch.int64", "torch.int64", "torch.float64", "torch.float64",
-                                    "torch.bool", "torch.int64"]
+                                    "torch.bool", "torch.int64", "torch.uint8", "torch.int64", "torch.int64"]
     assert got[0]["seqs"] != got[2]["seqs"]
 
 
@@ -89,3 +93,29 @@ def test_a_packed_batch_unpacks_to_the_same_items_and_survives_a_checkpoint_file
     batch = ReadyBatch(3, items, {"accuracy": 0.5, "weight_version": 2.0}, [11, 4])
     torch.save(batch.state_dict(), tmp_path / "buffer.pt")
     assert ReadyBatch.from_state_dict(torch.load(tmp_path / "buffer.pt", weights_only=True)) == batch
+
+
+def test_routes_travel_packed_as_bytes_and_come_back_with_their_layout(tmp_path):
+    """A mixture of experts' routes (routing replay) ride in the share as raw bytes of the smallest id type, with
+    their layout, through the checkpointed one_step_off buffer too; a batch half with routes is refused."""
+    import numpy as np
+    import torch
+
+    from megatron_dapo.service.rollout_service import ReadyBatch
+
+    def routes(rows, dtype):
+        return (np.arange(rows * 3 * 2) % 300).astype(dtype).reshape(rows, 3, 2)
+
+    for dtype in (np.uint8, np.int16):
+        items = [TrainItem([5, 6], [7, 8, 9], [-0.1, -0.2, -0.3], 0.5, True, routes(4, dtype)),
+                 TrainItem([5], [4], [-0.7], -0.25, False, routes(1, dtype))]
+        share = PackedShare.pack([items])
+        assert share.routes.dtype == torch.uint8 and share.routes.numel() == 5 * 6 * np.dtype(dtype).itemsize
+        back = share.train_items()
+        assert all(b.routes.dtype == dtype and np.array_equal(b.routes, it.routes) for b, it in zip(back, items))
+        torch.save(ReadyBatch(3, items, {}, [1, 2]).state_dict(), tmp_path / "buffer.pt")
+        again = ReadyBatch.from_state_dict(torch.load(tmp_path / "buffer.pt", weights_only=True)).items
+        assert all(np.array_equal(b.routes, it.routes) for b, it in zip(again, items))
+    with pytest.raises(ValueError, match="routes: 1 of 2 responses came without routes"):
+        PackedShare.pack([[items[0], TrainItem([5], [4], [-0.7], -0.25, False)]])
+    assert PackedShare.pack([[TrainItem([5], [4], [-0.7], -0.25, False)]]).train_items()[0].routes is None

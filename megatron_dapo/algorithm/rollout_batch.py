@@ -92,5 +92,5 @@ class RolloutBatch:
         """The batch's responses, groups in prompt order: the order groups completed in does not matter."""
         groups = sorted(self.groups, key=lambda g: g.prompt.index)
         return [TrainItem(g.prompt.token_ids, list(s.output_ids), list(s.logprobs), float(g.advantages[i]),
-                          bool(g.loss_mask[i]))
+                          bool(g.loss_mask[i]), s.routes)
                 for g in groups for i, s in enumerate(g.samples)]

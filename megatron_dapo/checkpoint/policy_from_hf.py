@@ -72,7 +72,8 @@ def build_policy(cfg: DapoConfig, runtime: Runtime, hf: HFCheckpoint, spec: Mode
     trainer = PolicyTrainer(spec, cfg.parallel, runtime.device, cfg.optim, cfg.loss,
                             cfg.model.max_tokens_per_micro_batch, activation_recompute=cfg.model.activation_recompute,
                             updates_per_step=cfg.train.updates_per_step, temperature=cfg.rollout.temperature,
-                            params_dtype=dtype, moe_aux_loss_coef=cfg.model.moe_aux_loss_coef)
+                            params_dtype=dtype, moe_aux_loss_coef=cfg.model.moe_aux_loss_coef,
+                            routing_replay=cfg.rollout.routing_replay)
     load_policy_weights(trainer, hf.get)
     reference = None
     if cfg.loss.kl_coef > 0:

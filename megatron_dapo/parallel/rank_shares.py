@@ -13,6 +13,7 @@ import array
 import heapq
 from dataclasses import dataclass, fields
 
+import numpy as np
 import torch
 
 from megatron_dapo.samples import TrainItem
@@ -44,6 +45,17 @@ def _tokens(item: TrainItem) -> int:
     return len(item.prompt_ids) + len(item.output_ids)
 
 
+def _packed_routes(routes: list[np.ndarray]) -> dict:
+    layouts = {(r.shape[1:], r.dtype) for r in routes}
+    if len(layouts) != 1:
+        raise ValueError(f"routes: responses of one batch have routes of different layouts {sorted(map(str, layouts))}")
+    (layers, topk), dtype = layouts.pop()
+    return {"routes": torch.from_numpy(np.concatenate([np.ascontiguousarray(r).reshape(-1).view(np.uint8)
+                                                      for r in routes])),
+            "route_rows": torch.tensor([len(r) for r in routes], dtype=torch.int64),
+            "route_layout": torch.tensor([layers, topk, dtype.itemsize], dtype=torch.int64)}
+
+
 @dataclass
 class PackedShare:
     """One data-parallel rank's responses as flat host tensors."""
@@ -55,10 +67,25 @@ class PackedShare:
     advantages: torch.Tensor  # float64 [n]
     in_loss: torch.Tensor  # bool [n]: False for a response left out of the loss (overlong filtering)
     update_sizes: torch.Tensor  # int64 [updates]: responses per update, in order
+    # A mixture of experts' routes (routing replay), else all three empty: each response's TrainItem.routes
+    # flattened as bytes (route_dtype's ids, viewed), how many route rows each response has, and (MoE layers,
+    # top_k, bytes per id)
+    routes: torch.Tensor = None
+    route_rows: torch.Tensor = None
+    route_layout: torch.Tensor = None
+
+    def __post_init__(self):
+        if self.routes is None:  # no routes (and the prefetched batches of checkpoints from before them)
+            self.routes, self.route_rows = torch.empty(0, dtype=torch.uint8), torch.zeros(0, dtype=torch.int64)
+            self.route_layout = torch.zeros(0, dtype=torch.int64)
 
     @classmethod
     def pack(cls, updates: list[list[TrainItem]]) -> PackedShare:
         items = [it for update in updates for it in update]
+        routed = [it.routes is not None for it in items]
+        if any(routed) and not all(routed):
+            raise ValueError(f"routes: {routed.count(False)} of {len(items)} responses came without routes; "
+                             "an engine returns them for every response or for none")
 
         def flat(rows, code: str, dtype: torch.dtype) -> torch.Tensor:
             # Through array.array: about 3x faster than torch.tensor(list) at ~40M tokens.
@@ -74,7 +101,8 @@ class PackedShare:
             rollout_logp=flat((it.rollout_logp for it in items), "d", torch.float64),
             advantages=torch.tensor([it.advantage for it in items], dtype=torch.float64),
             in_loss=torch.tensor([it.in_loss for it in items], dtype=torch.bool),
-            update_sizes=torch.tensor([len(u) for u in updates], dtype=torch.int64))
+            update_sizes=torch.tensor([len(u) for u in updates], dtype=torch.int64),
+            **(_packed_routes([it.routes for it in items]) if items and all(routed) else {}))
 
     def __len__(self) -> int:
         return self.prompt_lens.numel()
@@ -83,9 +111,18 @@ class PackedShare:
         """The responses as TrainItems again, in order (what `pack` was given, flattened)."""
         prompt_lens, output_lens = self.prompt_lens.tolist(), self.output_lens.tolist()
         logps = self.rollout_logp.split(output_lens)
-        return [TrainItem(seq[:p].tolist(), seq[p:].tolist(), lp.tolist(), adv, keep)
-                for seq, p, lp, adv, keep in zip(self.sequences(), prompt_lens, logps, self.advantages.tolist(),
-                                                 self.in_loss.tolist())]
+        routes = self.response_routes()
+        return [TrainItem(seq[:p].tolist(), seq[p:].tolist(), lp.tolist(), adv, keep, r)
+                for seq, p, lp, adv, keep, r in zip(self.sequences(), prompt_lens, logps, self.advantages.tolist(),
+                                                    self.in_loss.tolist(), routes)]
+
+    def response_routes(self) -> list[np.ndarray | None]:
+        """Each response's routes, [rows, MoE layers, top_k] (views of `routes`); Nones without routes."""
+        if not self.route_layout.numel():
+            return [None] * len(self)
+        layers, topk, itemsize = self.route_layout.tolist()
+        ids = self.routes.numpy().view(np.dtype(f"<u{itemsize}" if itemsize == 1 else f"<i{itemsize}"))
+        return np.split(ids.reshape(-1, layers, topk), np.cumsum(self.route_rows.numpy())[:-1])
 
     def sequences(self) -> list[torch.Tensor]:
         """Each response's prompt + output ids (views into `tokens`)."""

@@ -15,7 +15,8 @@ import torch.distributed as dist
 
 from megatron_dapo.parallel.rank_shares import PackedShare
 
-_DTYPES = [torch.int32, torch.int64, torch.int64, torch.float64, torch.float64, torch.bool, torch.int64]
+_DTYPES = [torch.int32, torch.int64, torch.int64, torch.float64, torch.float64, torch.bool, torch.int64, torch.uint8,
+           torch.int64, torch.int64]
 
 
 class ShareScatter:

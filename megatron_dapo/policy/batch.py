@@ -18,7 +18,8 @@ class Sequence:
     tokens: torch.Tensor  # [prompt + response] token ids
     prompt_len: int
     # A mixture of experts' routes from the rollout (routing replay): [tokens, MoE layers, top_k] expert ids, the
-    # experts each position went to (policy/routing_replay.py)
+    # experts each position went to (policy/routing_replay.py); the last token's row may be left out (an engine
+    # never runs it; what its position computes reaches no loss)
     routes: torch.Tensor | None = None
 
     @property
@@ -53,10 +54,12 @@ def check_sequences(sequences: list[Sequence], max_positions: int) -> None:
         if s.tokens.numel() > max_positions:
             raise ValueError(f"sequence {i}: {s.tokens.numel()} tokens exceed the model's max_position_embeddings "
                              f"{max_positions}; truncate the response (rollout max_new_tokens) or the prompt")
-        if s.routes is not None and (s.routes.dim() != 3 or s.routes.shape[0] != s.tokens.numel()
+        n = s.tokens.numel()
+        if s.routes is not None and (s.routes.dim() != 3 or s.routes.shape[0] not in (n - 1, n)
                                      or s.routes.is_floating_point()):
-            raise ValueError(f"sequence {i}: routes must be integer expert ids [tokens = {s.tokens.numel()}, MoE "
-                             f"layers, top_k], got {s.routes.dtype} {tuple(s.routes.shape)}")
+            raise ValueError(f"sequence {i}: routes must be integer expert ids [tokens = {n} (or {n - 1}: the last "
+                             f"token's, which no position needs, left out), MoE layers, top_k], got {s.routes.dtype} "
+                             f"{tuple(s.routes.shape)}")
 
 
 def padded_length(length: int, multiple: int) -> int:

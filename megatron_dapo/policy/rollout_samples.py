@@ -43,8 +43,9 @@ def training_samples(model, reference, share: PackedShare, *, spec, max_tokens_p
     loss.old_logprobs."""
     from megatron.core import parallel_state
 
-    seqs = [Sequence(tokens.long(), prompt_len)
-            for tokens, prompt_len in zip(share.sequences(), share.prompt_lens.tolist())]
+    seqs = [Sequence(tokens.long(), prompt_len, None if routes is None else torch.from_numpy(routes))
+            for tokens, prompt_len, routes in zip(share.sequences(), share.prompt_lens.tolist(),
+                                                  share.response_routes())]
     lengths = share.output_lens.tolist()
     numel = sum(lengths)
     kwargs = dict(vocab_size=spec.vocab_size, max_positions=spec.max_position_embeddings,

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from megatron_dapo.config import ConfigError
 from megatron_dapo.parallel.runtime import builds_for_gpu
+from megatron_dapo.policy.hf_config import model_spec_from_hf
+from megatron_dapo.rollout.routes import RouteLayout
 from megatron_dapo.rollout.sglang_engine import SGLangEngine
 from megatron_dapo.rollout.sglang_server import SGLangServerConfig
 from megatron_dapo.run_config import DapoConfig
@@ -26,7 +29,8 @@ def server_config(cfg: DapoConfig, *, host: str = "127.0.0.1", port: int | None 
                               extra_args=list(rollout.server_extra_args)
                               + (["--enable-deterministic-inference"] if rollout.deterministic else [])
                               # GPU memory that /release_memory_occupation can hand back (CUDA only).
-                              + (["--enable-memory-saver"] if rollout.colocate and not on_cpu else []))
+                              + (["--enable-memory-saver"] if rollout.colocate and not on_cpu else [])
+                              + (["--enable-return-routed-experts"] if rollout.routing_replay else []))
 
 
 def sglang_engine(cfg: DapoConfig, log_dir, *,
@@ -35,11 +39,22 @@ def sglang_engine(cfg: DapoConfig, log_dir, *,
     rollout = cfg.rollout
     kwargs = dict(max_in_flight=rollout.max_in_flight, request_timeout_s=rollout.request_timeout_s,
                   max_server_restarts=rollout.max_server_restarts, health_timeout_s=rollout.server_health_timeout_s,
-                  on_server_restart=on_server_restart)
+                  on_server_restart=on_server_restart, routes=route_layout(cfg))
     if rollout.server_urls:
         return SGLangEngine(list(rollout.server_urls), **kwargs)
     return SGLangEngine.launch([server_config(cfg)] * rollout.num_servers, log_dir, wait=wait,
                                **kwargs)
+
+
+def route_layout(cfg: DapoConfig) -> RouteLayout | None:
+    """With rollout.routing_replay, the layout of the routes to ask the servers for (the model's config.json)."""
+    if not cfg.rollout.routing_replay:
+        return None
+    spec = model_spec_from_hf(cfg.model.path)
+    if not spec.is_moe:
+        raise ConfigError(f"rollout.routing_replay: {spec.architecture} is a dense model (no router to replay); set "
+                          "rollout.routing_replay to false")
+    return RouteLayout.of(spec)
 
 
 def server_urls(engine: SGLangEngine) -> list[str]:

@@ -22,6 +22,11 @@ recomputes at the run's rollout.temperature (training refuses rollout.top_p < 1,
 distribution is the renormalised nucleus instead). Greedy decoding (temperature below 1e-6) returns
 the argmax's log_softmax(logits), the temperature-1 log-prob, as SGLang does.
 
+Routes (a mixture of experts, `record_routes`): the experts each router chose for every position the engine ran
+through the model, prompt and output but for the last sampled token (never run), returned with each Sample as
+SGLang's return_routed_experts returns them; the routers choose by themselves while the engine decodes, whatever
+routing replay set them to in training.
+
 Stopping follows SGLang: a token in stop_token_ids or the model's EOS ids ends a row with "stop"
 (the token is kept, with its log-prob); ignore_eos turns off both; max_new_tokens, or the model's
 max_position_embeddings, ends it with "length". A temperature below 1e-6 decodes greedily.
@@ -33,10 +38,12 @@ import contextlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from megatron_dapo.config import ConfigError
 from megatron_dapo.rollout.engine import Sample, SamplingParams
+from megatron_dapo.samples import route_dtype
 
 GREEDY_TEMPERATURE = 1e-6  # below it, argmax (as SGLang does)
 COMPACT_FRACTION = 0.25  # drop finished rows once they are this share of the batch
@@ -80,7 +87,7 @@ class LocalEngine:
 
     def __init__(self, model: torch.nn.Module, *, vocab_size: int, max_positions: int,
                  eos_token_ids: Sequence[int], device: torch.device, seed: int = 0, max_batch_tokens: int = 2**16,
-                 weight_version: str = "0"):
+                 weight_version: str = "0", record_routes: bool = False):
         from megatron.core import parallel_state
 
         tp = parallel_state.get_tensor_model_parallel_world_size()
@@ -99,6 +106,13 @@ class LocalEngine:
         self.max_batch_tokens = max_batch_tokens
         self.weight_version = weight_version  # the trainer sets it after each step
         self.generator = torch.Generator(device=device).manual_seed(seed)
+        from megatron_dapo.policy.routing_replay import routers_of
+
+        self.routers = routers_of(model)
+        if record_routes and not self.routers:
+            raise ConfigError("rollout.routing_replay: the policy has no router to record (a dense model); set "
+                              "rollout.routing_replay to false")
+        self.record_routes = record_routes
 
     def healthy(self) -> bool:
         return True  # nothing out of process that could have died
@@ -126,21 +140,37 @@ class LocalEngine:
     @contextlib.contextmanager
     def _eval_mode(self):
         """megatron uses the KV cache only in eval mode; the model is back in its own mode whenever the caller
-        has control."""
+        has control. The routers choose by themselves (a policy trained with routing replay was left replaying)."""
         was_training = self.model.training
         self.model.eval()
+        for router in self.routers:
+            if router.router_replay is not None:
+                router.router_replay.clear_router_replay_action()
         try:
             yield
         finally:
             self.model.train(was_training)
 
     @torch.no_grad()
-    def _logits(self, tokens: torch.Tensor, start: int, context) -> torch.Tensor:
-        """Next-token logits [rows, vocab] after feeding tokens [rows, k] at positions start..start+k-1."""
+    def _logits(self, tokens: torch.Tensor, start: int, context) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Next-token logits [rows, vocab] after feeding tokens [rows, k] at positions start..start+k-1; with
+        record_routes, the experts the routers chose for those positions, [rows, k, MoE layers, top_k]."""
         positions = torch.arange(start, start + tokens.shape[1], device=self.device).expand_as(tokens)
-        logits = self.model(tokens, positions, None, inference_context=context, runtime_gather_output=True)
+        chosen: list[torch.Tensor] = []
+        hooks = [r.register_forward_hook(lambda _, __, out: chosen.append(out[1])) for r in self.routers
+                 ] if self.record_routes else []
+        try:
+            logits = self.model(tokens, positions, None, inference_context=context, runtime_gather_output=True)
+        finally:
+            for h in hooks:
+                h.remove()
         context.increment_sequence_len_offset(tokens.shape[1])
-        return logits[:, -1, : self.vocab_size].float()  # columns past the vocabulary are padding
+        routes = None
+        if chosen:  # each router's map [positions x rows, experts], positions outermost -> its top_k expert ids
+            k = self.routers[0].topk
+            ids = [m.to(torch.int8).topk(k, dim=-1).indices.sort(dim=-1).values for m in chosen]
+            routes = torch.stack(ids, dim=1).view(tokens.shape[1], tokens.shape[0], len(chosen), k).transpose(0, 1)
+        return logits[:, -1, : self.vocab_size].float(), routes  # columns past the vocabulary are padding
 
     def _decode(self, prompts: list[list[int]], n: int, params: SamplingParams, should_stop: Callable[[], bool],
                 dropped_rows: Callable[[], Iterable[int]] = tuple) -> Iterator[FinishedRow]:
@@ -162,6 +192,7 @@ class FinishedRow:
     output_ids: list[int]
     logprobs: list[float]
     finish_reason: str
+    routes: np.ndarray | None = None  # Sample.routes
 
 
 class _DecodeBatch:
@@ -188,6 +219,19 @@ class _DecodeBatch:
         self.t = int(self.prompt_len.min())  # the position filled next
         self.logits: torch.Tensor | None = None  # next-token logits of the active rows
         self.done = False
+        self.routes = None  # [rows, total, MoE layers, top_k]: the experts of each position run (record_routes)
+        if engine.record_routes:
+            config = engine.routers[0].config
+            self.routes = torch.zeros(len(self.tokens), total, sum(config.moe_layer_freq), config.moe_router_topk,
+                                      dtype=torch.int16, device=dev)
+            self.route_dtype = route_dtype(config.num_moe_experts)
+
+    def _run(self, rows: torch.Tensor, start: int, tokens: torch.Tensor) -> torch.Tensor:
+        """The engine's next-token logits for `tokens` of `rows` at positions from `start`, their routes kept."""
+        logits, routes = self.engine._logits(tokens, start, self.context)
+        if routes is not None:
+            self.routes[rows, start:start + tokens.shape[1]] = routes.to(self.routes.dtype)
+        return logits
 
     def drop(self, rows: Iterable[int]) -> None:
         """Leave these rows out (their group was cancelled): no longer live, they never finish, and the next
@@ -202,7 +246,7 @@ class _DecodeBatch:
     def advance(self, should_stop: Callable[[], bool]) -> list[FinishedRow]:
         """Decode positions until some rows finish, all are done, or should_stop() is true."""
         if self.logits is None:
-            self.logits = self.engine._logits(self.tokens[:, : self.t], 0, self.context)
+            self.logits = self._run(self.active, 0, self.tokens[:, : self.t])
         while not should_stop():
             finished = self._step()
             if finished or self.done:
@@ -221,8 +265,9 @@ class _DecodeBatch:
         for i in done.nonzero().flatten().tolist():
             r = int(active[i])
             response = slice(int(self.prompt_len[r]), t + 1)
+            routes = None if self.routes is None else self.routes[r, :t].cpu().numpy().astype(self.route_dtype)
             finished.append(FinishedRow(r, self.tokens[r, response].tolist(), self.logps[r, response].tolist(),
-                                        "stop" if stopped[i] else "length"))
+                                        "stop" if stopped[i] else "length", routes))
         self.live &= ~done
         self.t += 1
         if not bool(self.live.any()):
@@ -233,7 +278,7 @@ class _DecodeBatch:
             self.active, self.live = active[keep], self.live[keep]
             self.context.key_value_memory_dict = {layer: (k[:, keep], v[:, keep])
                                                   for layer, (k, v) in self.context.key_value_memory_dict.items()}
-        self.logits = self.engine._logits(self.tokens[self.active, t : t + 1], t, self.context)
+        self.logits = self._run(self.active, t, self.tokens[self.active, t : t + 1])
         return finished
 
 
@@ -282,7 +327,7 @@ class LocalGroupStream:
                     continue
                 group = pending.setdefault(p, [None] * n)
                 group[row.row % self.n] = Sample(p, row.output_ids, row.logprobs, row.finish_reason,
-                                                 self.weight_version)
+                                                 self.weight_version, routes=row.routes)
                 if None not in group:
                     if self.aborted:
                         return

@@ -44,6 +44,7 @@ import orjson
 
 from megatron_dapo.rollout.engine import Sample, SamplingParams, sample_seed
 from megatron_dapo.rollout.router import SGLangRouter
+from megatron_dapo.rollout.routes import RouteLayout
 from megatron_dapo.rollout.server_key import auth_headers
 from megatron_dapo.rollout.sglang_server import ServerError, SGLangServer, SGLangServerConfig, health_ok, wait_until
 
@@ -105,7 +106,10 @@ class SGLangEngine:
     def __init__(self, servers: str | SGLangServer | Sequence[str | SGLangServer], *, max_in_flight: int = 32,
                  request_timeout_s: float = 600.0, max_attempts: int = 4, retry_backoff_s: float = 1.0,
                  max_server_restarts: int = 3, reattach_timeout_s: float = 600.0, health_timeout_s: float = 60.0,
-                 on_server_restart: Callable[[str], None] | None = None, router: SGLangRouter | None = None):
+                 on_server_restart: Callable[[str], None] | None = None, router: SGLangRouter | None = None,
+                 routes: RouteLayout | None = None):
+        """`routes`: a mixture of experts' layout, to ask the servers for each response's routes (routing replay;
+        the servers need --enable-return-routed-experts)."""
         if isinstance(servers, (str, SGLangServer)):
             servers = [servers]
         if not servers:
@@ -127,6 +131,7 @@ class SGLangEngine:
             if not value > 0:
                 raise ValueError(f"SGLangEngine({name}={value!r}): must be > 0")
         self.router = router
+        self.routes = routes
         self.max_in_flight = max_in_flight
         self.timeout = request_timeout_s
         self.max_attempts = max_attempts
@@ -318,6 +323,8 @@ class SGLangEngine:
         if params.seed is not None:  # one seed per sample (a shared one would make the n samples identical)
             sampling = [dict(sampling, sampling_seed=sample_seed(params.seed, index, j)) for j in range(n)]
         payload = {"input_ids": [prompt] * n, "sampling_params": sampling, "rid": rid, "return_logprob": True}
+        if self.routes is not None:  # every position's experts, the prompt's included (routing replay)
+            payload.update(return_routed_experts=True, routed_experts_start_len=0)
         return await self._post(f"{(self.router or server).url}/generate", payload, self.timeout)
 
     async def _abort(self, in_flight: list[tuple[_Server, list[str]]]) -> None:
@@ -511,7 +518,7 @@ class SGLangGroupStream:
             if self._dropped(index):
                 return None
             if error is None:
-                samples = parse_group(index, out, self.n)
+                samples = parse_group(index, out, self.n, self.engine.routes, len(self.prompts[index]))
                 if samples is not None:
                     server.restarts_in_a_row = 0
                     return samples
@@ -559,8 +566,9 @@ def _check_request(prompts, n, params) -> None:
             raise ValueError(f"prompts[{i}]: token ids must be ints >= 0, got {p!r:.80}")
 
 
-def parse_group(index: int, out, n: int) -> list[Sample] | None:
-    """The n samples of one call, or None if the server aborted any of them."""
+def parse_group(index: int, out, n: int, routes: RouteLayout | None = None, prompt_len: int = 0
+                ) -> list[Sample] | None:
+    """The n samples of one call, or None if the server aborted any of them; with `routes`, each one's routes."""
     items = out if isinstance(out, list) else [out]
     if len(items) != n:
         raise RolloutError(f"SGLang returned {len(items)} samples for prompt {index}, asked for {n}")
@@ -577,5 +585,6 @@ def parse_group(index: int, out, n: int) -> list[Sample] | None:
         # SGLang's weight_version is the newest; with weights pushed mid-response its spans say which made what.
         spans = tuple((str(r["version"]), int(r["start"]), int(r["end"])) for r in meta.get("weight_versions") or ())
         version = spans[0][0] if spans else str(meta.get("weight_version", ""))
-        samples.append(Sample(index, ids, logprobs, reason, version, spans))
+        routed = None if routes is None else routes.from_sglang(meta, prompt_len + len(ids) - 1, f"prompt {index}")
+        samples.append(Sample(index, ids, logprobs, reason, version, spans, routed))
     return samples

@@ -92,7 +92,7 @@ class RolloutService:
         engine = LocalEngine(policy.module, vocab_size=policy.spec.vocab_size,
                              max_positions=policy.spec.max_position_embeddings,
                              eos_token_ids=hf_eos_token_ids(policy.hf_config), device=device, seed=cfg.parallel.seed,
-                             weight_version="0")
+                             weight_version="0", record_routes=cfg.rollout.routing_replay)
         return cls(cfg, engine, dp_size)
 
     # -- jobs ---------------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ import json
 import os
 import sys
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -22,8 +23,9 @@ def batch() -> list[TrainItem]:
     out = []
     for i in range(12):
         n = int(torch.randint(1, 200, (1,), generator=g))
+        routes = (np.arange((n + 1) * 2 * 2) % 251).astype(np.uint8).reshape(n + 1, 2, 2)  # a MoE's, as engines give
         out.append(TrainItem([i, i + 1], list(range(n)), torch.randn(n, generator=g, dtype=torch.float64).tolist(),
-                             advantage=i / 7, in_loss=i % 5 != 0))
+                             advantage=i / 7, in_loss=i % 5 != 0, routes=routes))
     return out
 
 
@@ -39,6 +41,7 @@ def main(out_dir: str) -> None:
     record = {"seqs": [s.tolist() for s in share.sequences()], "prompt_lens": share.prompt_lens.tolist(),
               "rollout_logp": share.rollout_logp.tolist(), "advantages": share.advantages.tolist(),
               "in_loss": share.in_loss.tolist(), "update_sizes": share.update_sizes.tolist(),
+              "routes": [r.tolist() for r in share.response_routes()],
               "dtypes": [str(t.dtype) for t in share.tensors()], "dp_rank_of": scatter.dp_rank_of,
               "faithful": cpu_compat.is_active()}
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
