@@ -54,10 +54,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dapo_loss_fwd(const at::Tensor& l
   const at::Tensor old_logp = old_in.contiguous();
   const at::Tensor advantages = adv_in.contiguous();
   const at::Tensor mask = mask_in.contiguous();
-  const auto loss_dtype = logp.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  at::Tensor loss = at::empty({}, logp.options().dtype(loss_dtype));
+  const auto compute_dtype = logp.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  at::Tensor loss = at::empty({}, logp.options().dtype(compute_dtype));
   at::Tensor stats = at::empty({kNumStats}, logp.options().dtype(at::kDouble));
-  at::Tensor grad = compute_grad ? at::empty_like(logp) : at::empty({0}, logp.options());
+  // In the compute dtype: the backward scales it by the upstream gradient before rounding to logp's dtype.
+  at::Tensor grad = at::empty({compute_grad ? logp.numel() : 0}, logp.options().dtype(compute_dtype));
   at::Tensor grad_arg = compute_grad ? grad : at::Tensor();
   const DapoParams<double> params{1.0 - eps_low, 1.0 + eps_high, dual_clip_c.value_or(0.0), dual_clip_c.has_value(),
                                   log_ratio_clamp};
@@ -87,9 +88,12 @@ void dapo_loss_scale_grad_(at::Tensor& grad, const at::Tensor& grad_output) {
   TORCH_CHECK_VALUE(grad_output.numel() == 1, "dapo_loss backward: grad_output must hold one element, got ",
                     grad_output.sizes());
   TORCH_CHECK_VALUE(grad.is_contiguous(), "dapo_loss backward: grad must be contiguous");
+  TORCH_CHECK_TYPE(grad.scalar_type() == at::kFloat || grad.scalar_type() == at::kDouble,
+                   "dapo_loss backward: grad must be in the compute dtype, float32 or float64, got ",
+                   grad.scalar_type());
   if (grad.is_cuda()) {
 #ifdef MEGATRON_DAPO_WITH_CUDA
-    dapo_loss_scale_grad_cuda(grad, grad_output.to(grad.device()).contiguous());
+    dapo_loss_scale_grad_cuda(grad, grad_output.to(grad.device(), grad.scalar_type()).contiguous());
 #else
     TORCH_CHECK(false, "dapo_loss: megatron_dapo._C was built without CUDA");
 #endif
@@ -106,7 +110,8 @@ TORCH_LIBRARY(megatron_dapo, m) {
   m.def(
       "dapo_loss(Tensor logp, Tensor old_logp, Tensor advantages, Tensor mask, float eps_low, float eps_high, "
       "float normalizer, float? dual_clip_c, float log_ratio_clamp) -> (Tensor loss, Tensor stats)");
-  // The kernel: the loss, its stats and, with compute_grad, d loss / d logp for a unit upstream gradient.
+  // The kernel: the loss, its stats and, with compute_grad, d loss / d logp for a unit upstream gradient (in the
+  // compute dtype, float32 or float64).
   m.def(
       "dapo_loss_fwd(Tensor logp, Tensor old_logp, Tensor advantages, Tensor mask, float eps_low, "
       "float eps_high, float normalizer, float? dual_clip_c, float log_ratio_clamp, bool compute_grad) "

@@ -10,7 +10,7 @@ namespace megatron_dapo {
 // Outputs, allocated by the caller:
 //   loss  [] in the compute dtype: sum over masked tokens of mask * token loss, times inv_normalizer
 //   stats [kNumStats] float64, see Stat
-//   grad  [n] in logp's dtype: d loss / d logp for a unit upstream gradient (undefined: not computed)
+//   grad  [n] in the compute dtype: d loss / d logp for a unit upstream gradient (undefined: not computed)
 void dapo_loss_fwd_cpu(const at::Tensor& logp, const at::Tensor& old_logp, const at::Tensor& advantages,
                        const at::Tensor& mask, const DapoParams<double>& params, double inv_normalizer,
                        at::Tensor& loss, at::Tensor& stats, at::Tensor& grad);

@@ -1,10 +1,10 @@
 // CPU kernel of the fused DAPO loss: one pass over the tokens computes the loss, the stats and the
-// gradient. Tokens are cut into fixed blocks whose partial sums are added in block order, so the
-// result does not depend on the number of threads.
+// gradient (in the compute dtype: the backward scales it before the one rounding to logp's dtype). Tokens
+// are cut into fixed blocks whose partial sums are added in block order, so the result does not depend on
+// the number of threads.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 
-#include <cstring>
 #include <vector>
 
 #include "dapo_loss.h"
@@ -16,23 +16,10 @@ constexpr int64_t kBlock = 1024;   // tokens summed in the compute dtype before 
 constexpr int64_t kGrainBlocks = 16;  // below this many blocks, one thread is faster
 constexpr int kSlots = kNumStats + 1;  // stats, then the loss
 
-// Round-to-nearest-even like c10's conversion, but branch-free so the store vectorises.
-template <typename scalar_t, typename acc_t>
-inline scalar_t to_scalar(acc_t v) {
-  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
-    uint32_t bits;
-    std::memcpy(&bits, &v, sizeof(bits));
-    const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
-    return c10::BFloat16(static_cast<uint16_t>(v != v ? 0x7FC0u : rounded), c10::BFloat16::from_bits());
-  } else {
-    return static_cast<scalar_t>(v);
-  }
-}
-
 #define DAPO_BLOCK_PARAMS                                                                                   \
   const scalar_t *__restrict__ logp, const scalar_t *__restrict__ old_logp, const adv_t *__restrict__ adv, \
       const mask_t *__restrict__ mask, int64_t begin, int64_t end, DapoParams<acc_t> p, acc_t inv_norm,    \
-      scalar_t *__restrict__ grad, double *__restrict__ out
+      acc_t *__restrict__ grad, double *__restrict__ out
 #define DAPO_BLOCK_ARGS logp, old_logp, adv, mask, begin, end, p, inv_norm, grad, out
 
 template <typename scalar_t, typename adv_t, typename mask_t, typename acc_t, bool kGrad>
@@ -63,7 +50,7 @@ __attribute__((always_inline)) inline void block_body(DAPO_BLOCK_PARAMS) {
     s_k3 += active ? t.k3 : acc_t(0);
     s_n += active ? acc_t(1) : acc_t(0);
     m_ratio = (active & (t.ratio > m_ratio)) ? t.ratio : m_ratio;
-    if (kGrad) grad[i] = to_scalar<scalar_t>(active ? t.dloss * w * inv_norm : acc_t(0));
+    if (kGrad) grad[i] = active ? t.dloss * w * inv_norm : acc_t(0);
   }
   out[kClippedLow] = s_low;
   out[kClippedHigh] = s_high;
@@ -109,7 +96,7 @@ void fwd_typed(const at::Tensor& logp, const at::Tensor& old_logp, const at::Ten
   const adv_t* a = advantages.data_ptr<adv_t>();
   using mask_load_t = std::conditional_t<std::is_same_v<mask_t, bool>, uint8_t, mask_t>;
   const auto* m = reinterpret_cast<const mask_load_t*>(mask.data_ptr<mask_t>());
-  scalar_t* g = grad.defined() ? grad.data_ptr<scalar_t>() : nullptr;
+  acc_t* g = grad.defined() ? grad.data_ptr<acc_t>() : nullptr;
   const DapoParams<acc_t> p = cast_params<acc_t>(params);
   const acc_t inv_norm = static_cast<acc_t>(inv_normalizer);
   at::parallel_for(0, nblocks, kGrainBlocks, [&](int64_t b0, int64_t b1) {

@@ -1,6 +1,7 @@
 // CUDA kernels of the fused DAPO loss. One pass reads logp, old_logp, advantages and mask once and
-// writes the gradient once (17 bytes per fp32 token with a bool mask); per-block partial sums go to
-// a small buffer that one block then reduces in a fixed order, so results are run-to-run identical.
+// writes the gradient once, in the compute dtype (17 bytes per fp32 token with a bool mask); per-block
+// partial sums go to a small buffer that one block then reduces in a fixed order, so results are
+// run-to-run identical.
 #include <ATen/Dispatch.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
@@ -85,7 +86,7 @@ template <typename scalar_t, typename adv_t, typename mask_t, typename acc_t, in
 __global__ void __launch_bounds__(kThreads)
     fwd_kernel(const scalar_t* __restrict__ logp, const scalar_t* __restrict__ old_logp,
                const adv_t* __restrict__ adv, const mask_t* __restrict__ mask, int64_t n, DapoParams<acc_t> p,
-               acc_t inv_norm, scalar_t* __restrict__ grad, double* __restrict__ partials) {
+               acc_t inv_norm, acc_t* __restrict__ grad, double* __restrict__ partials) {
   ThreadAcc<acc_t> acc;
   const int64_t nvec = n / VEC;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
@@ -95,14 +96,14 @@ __global__ void __launch_bounds__(kThreads)
     const Pack<scalar_t, VEC> olp = reinterpret_cast<const Pack<scalar_t, VEC>*>(old_logp)[v];
     const Pack<adv_t, VEC> a = reinterpret_cast<const Pack<adv_t, VEC>*>(adv)[v];
     const Pack<mask_t, VEC> m = reinterpret_cast<const Pack<mask_t, VEC>*>(mask)[v];
-    Pack<scalar_t, VEC> g;
+    Pack<acc_t, VEC> g;
 #pragma unroll
-    for (int j = 0; j < VEC; ++j) g.v[j] = static_cast<scalar_t>(acc.add(lp.v[j], olp.v[j], a.v[j], m.v[j], p, inv_norm));
-    if (kGrad) reinterpret_cast<Pack<scalar_t, VEC>*>(grad)[v] = g;
+    for (int j = 0; j < VEC; ++j) g.v[j] = acc.add(lp.v[j], olp.v[j], a.v[j], m.v[j], p, inv_norm);
+    if (kGrad) reinterpret_cast<Pack<acc_t, VEC>*>(grad)[v] = g;
   }
   for (int64_t i = nvec * VEC + tid; i < n; i += stride) {
     const acc_t gi = acc.add(logp[i], old_logp[i], adv[i], mask[i], p, inv_norm);
-    if (kGrad) grad[i] = static_cast<scalar_t>(gi);
+    if (kGrad) grad[i] = gi;
   }
   double v[kSlots];
   v[kClippedLow] = acc.low;
@@ -139,16 +140,14 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-template <typename scalar_t, typename g_t>
+template <typename scalar_t>
 __global__ void __launch_bounds__(kThreads)
-    scale_kernel(scalar_t* __restrict__ grad, const g_t* __restrict__ grad_output, int64_t n) {
-  const g_t s = *grad_output;
+    scale_kernel(scalar_t* __restrict__ grad, const scalar_t* __restrict__ grad_output, int64_t n) {
+  const scalar_t s = *grad_output;
   // loss.backward() passes 1: the forward already wrote the final gradient, nothing to move.
-  if (s == g_t(1)) return;
+  if (s == scalar_t(1)) return;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < n; i += stride) {
-    grad[i] = static_cast<scalar_t>(static_cast<g_t>(grad[i]) * s);
-  }
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < n; i += stride) grad[i] *= s;
 }
 
 // ATen reads each device's properties once: a cudaDeviceGetAttribute per launch cost host time on every call.
@@ -178,7 +177,7 @@ void launch(const at::Tensor& logp, const at::Tensor& old_logp, const at::Tensor
   const auto* m = mask.data_ptr<mask_t>();
   if (grad.defined()) {
     fwd_kernel<scalar_t, adv_t, mask_t, acc_t, VEC, true><<<nblocks, kThreads, 0, stream>>>(
-        lp, olp, a, m, n, p, static_cast<acc_t>(inv_normalizer), grad.data_ptr<scalar_t>(), partials.data_ptr<double>());
+        lp, olp, a, m, n, p, static_cast<acc_t>(inv_normalizer), grad.data_ptr<acc_t>(), partials.data_ptr<double>());
   } else {
     fwd_kernel<scalar_t, adv_t, mask_t, acc_t, VEC, false><<<nblocks, kThreads, 0, stream>>>(
         lp, olp, a, m, n, p, static_cast<acc_t>(inv_normalizer), nullptr, partials.data_ptr<double>());
@@ -198,11 +197,12 @@ template <typename scalar_t, typename adv_t, typename mask_t>
 void fwd_typed(const at::Tensor& logp, const at::Tensor& old_logp, const at::Tensor& advantages,
                const at::Tensor& mask, const DapoParams<double>& params, double inv_normalizer, at::Tensor& loss,
                at::Tensor& stats, at::Tensor& grad) {
+  using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
   // 16-byte loads of the log-probs when every array lines up; slices that do not take the scalar path.
   constexpr int VEC = 16 / sizeof(scalar_t);
   const bool vec_ok = aligned<VEC>(logp.data_ptr<scalar_t>()) && aligned<VEC>(old_logp.data_ptr<scalar_t>()) &&
                       aligned<VEC>(advantages.data_ptr<adv_t>()) && aligned<VEC>(mask.data_ptr<mask_t>()) &&
-                      (!grad.defined() || aligned<VEC>(grad.data_ptr<scalar_t>()));
+                      (!grad.defined() || aligned<VEC>(grad.data_ptr<acc_t>()));
   if (vec_ok) {
     launch<scalar_t, adv_t, mask_t, VEC>(logp, old_logp, advantages, mask, params, inv_normalizer, loss, stats, grad);
   } else {
@@ -236,14 +236,9 @@ void dapo_loss_scale_grad_cuda(at::Tensor& grad, const at::Tensor& grad_output) 
   const int64_t work = (n + kThreads - 1) / kThreads;
   const int nblocks = static_cast<int>(std::min<int64_t>(work, int64_t(sm_count(grad.get_device())) * kBlocksPerSm));
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), "dapo_loss_scale_grad_cuda", [&] {
-    if (grad_output.scalar_type() == at::kDouble) {
-      scale_kernel<scalar_t, double><<<nblocks, kThreads, 0, stream>>>(grad.data_ptr<scalar_t>(),
-                                                                       grad_output.data_ptr<double>(), n);
-    } else {
-      scale_kernel<scalar_t, float><<<nblocks, kThreads, 0, stream>>>(grad.data_ptr<scalar_t>(),
-                                                                      grad_output.data_ptr<float>(), n);
-    }
+  AT_DISPATCH_FLOATING_TYPES(grad.scalar_type(), "dapo_loss_scale_grad_cuda", [&] {
+    scale_kernel<scalar_t><<<nblocks, kThreads, 0, stream>>>(grad.data_ptr<scalar_t>(),
+                                                             grad_output.data_ptr<scalar_t>(), n);
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

@@ -101,8 +101,10 @@ DAPO_HD TokenOut<T> dapo_token(T logp, T old_logp, T adv, const DapoParams<T>& p
   const T s_unclipped = r * adv;
   const T s_clipped = r_clip * adv;
   // min(r*A, clip(r)*A): on a tie both branches carry the same gradient (r is inside the clip range,
-  // or A == 0), so taking the unclipped one matches autograd of the reference.
-  const bool unclipped = s_unclipped <= s_clipped;
+  // or A == 0), so taking the unclipped one matches autograd of the reference. A NaN advantage takes it
+  // too: its gradient is NaN, as the reference's, not a silent 0 (spelt as a NaN test: GCC does not
+  // vectorise the CPU loop over !(s_unclipped > s_clipped)).
+  const bool unclipped = (s_unclipped <= s_clipped) | (s_unclipped != s_unclipped);
   T loss = -(unclipped ? s_unclipped : s_clipped);
   T dloss = (unclipped & in_range) ? -adv * r : T(0);
   // Branch-free (bitwise &) so the CPU loop stays vectorisable.

@@ -32,3 +32,36 @@ def away_from_clip_edges(logp, old_logp, dual_clip_c=None, margin=1e-5):
 
 def rel_err(a, b):
     return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
+
+
+def upstream_grad(fn, logp, old_logp, advantages, mask, upstream, *, retain_graph=False, **kw):
+    """d (upstream * loss) / d logp, the upstream gradient given to torch.autograd.grad, the graph freed or kept."""
+    x = logp.detach().clone().requires_grad_()
+    loss, _ = fn(x, old_logp, advantages, mask, **{**KW, **kw})
+    (grad,) = torch.autograd.grad(loss, x, torch.tensor(upstream, dtype=loss.dtype, device=loss.device),
+                                  retain_graph=retain_graph)
+    return grad
+
+
+# (logp dtype, normalizer, upstream gradient): an fp16 loss scale of 2^16; a large normaliser, whose unit gradient
+# alone would be subnormal in fp16; a scale that no 16-bit float holds; the plain loss.backward().
+LOSS_SCALES = [(torch.float16, 100, 2.0**16), (torch.float16, 1e6, 4096.0), (torch.bfloat16, 100, 1 / 3),
+               (torch.bfloat16, 30_000, 1.0)]
+
+
+def assert_within_twice_the_reference(grad, grad_ref, grad_64, keep):
+    """The suite's bar for 16-bit results: the fused op's error against float64 is at most twice the reference's own
+    (the reference computed in the same dtype), by the largest error and by the median per-token one, and no token
+    is flushed to 0 or overflows where the reference's is not. The floor is fp32 round-off: where the reference's
+    own error is below it, "2x" is noise."""
+    floor = 1e-6
+    g, r, t = grad[keep].double(), grad_ref[keep].double(), grad_64[keep].double()
+    assert torch.isfinite(g).all() and torch.isfinite(r).all()
+    assert ((g == 0) & (r != 0)).sum().item() == 0
+    assert rel_err(g, t) <= 2 * rel_err(r, t) + floor
+    nonzero = t != 0
+
+    def median_rel(a):
+        return ((a - t).abs()[nonzero] / t.abs()[nonzero]).median().item()
+
+    assert median_rel(g) <= 2 * median_rel(r) + floor

@@ -1,10 +1,12 @@
 """Fused DAPO loss: the C++/CUDA kernel (csrc/) as a torch.library op, its autograd in C++ too.
 
-One kernel pass computes the token-level clipped-surrogate loss, its stats and d loss / d logp; the
-backward (csrc/dapo_loss_autograd.cpp) only scales that saved gradient by the upstream gradient, in place
-unless the graph is retained, and the kernel skips even that when the upstream gradient is 1
-(loss.backward()). Here: the checks, and the shapes the compiler traces with. The readable definition is
-dapo_loss_reference.
+One kernel pass computes the token-level clipped-surrogate loss, its stats and d loss / d logp in the compute
+dtype; the backward (csrc/dapo_loss_autograd.cpp) only scales that saved gradient by the upstream gradient and
+rounds the product once to logp's dtype: in place for fp32 / fp64 logp unless the graph is retained, and the kernel
+skips even that when the upstream gradient is 1 (loss.backward()). Here: the checks, and the shapes the compiler
+traces with. The readable definition is dapo_loss_reference.
+
+`megatron_dapo.ops.dapo_loss` is the function below however it is imported (the package keeps it so).
 """
 
 from __future__ import annotations
@@ -36,10 +38,10 @@ if _EXTENSION_ERROR is None:
     @torch.library.register_fake("megatron_dapo::dapo_loss_fwd")
     def _dapo_loss_fwd_fake(logp, old_logp, advantages, mask, eps_low, eps_high, normalizer, dual_clip_c,
                             log_ratio_clamp, compute_grad):
-        loss_dtype = torch.float64 if logp.dtype == torch.float64 else torch.float32
-        loss = logp.new_empty((), dtype=loss_dtype)
+        compute_dtype = torch.float64 if logp.dtype == torch.float64 else torch.float32
+        loss = logp.new_empty((), dtype=compute_dtype)
         stats = logp.new_empty((len(STAT_NAMES),), dtype=torch.float64)
-        grad = torch.empty_like(logp) if compute_grad else logp.new_empty((0,))
+        grad = logp.new_empty((logp.numel() if compute_grad else 0,), dtype=compute_dtype)
         return loss, stats, grad
 
     @torch.library.register_fake("megatron_dapo::dapo_loss")
@@ -80,6 +82,14 @@ def dapo_loss(
 
     logp (fp32/bf16/fp16/fp64, may require grad), old_logp (same dtype), advantages (fp32/fp64) and mask
     (bool/fp32) are 1-D with one entry per token; computation is fp32 (fp64 for fp64 inputs).
+
+    Autograd: first-order gradients in logp, in reverse mode (backward, torch.autograd.grad), the graph freed or
+    retained, a batch of upstream gradients (is_grads_batched, jacobian(vectorize=True)), torch.compile and compiled
+    autograd. The upstream gradient (a loss scale, say) multiplies the fp32 gradient and the product is rounded once
+    to logp's dtype. Refused with NotImplementedError, rather than silently wrong: second-order gradients (double
+    backward, Hessians), forward-mode AD (torch.func.jvp, torch.autograd.forward_ad), old_logp, advantages or a
+    float mask that require grad, and gradients inside torch.func's transforms. dapo_loss_reference supports them
+    all. A NaN advantage on a masked-in token gives a NaN loss and a NaN gradient for that token, as the reference.
     """
     normalizer = check_dapo_loss_args(
         logp, old_logp, advantages, mask, eps_low=eps_low, eps_high=eps_high, normalizer=normalizer,

@@ -2,7 +2,8 @@
 
 import pytest
 import torch
-from dapo_loss_cases import KW, away_from_clip_edges, make_batch, rel_err, run
+from dapo_loss_cases import (KW, LOSS_SCALES, assert_within_twice_the_reference, away_from_clip_edges, make_batch,
+                             rel_err, run, upstream_grad)
 
 from megatron_dapo import _C
 from megatron_dapo.ops.dapo_loss import dapo_loss
@@ -108,3 +109,67 @@ def test_torch_compile_inductor_on_cuda():
     loss_e.backward()
     torch.testing.assert_close(loss_c, loss_e)
     torch.testing.assert_close(x_c.grad, x_e.grad)
+
+
+@pytest.mark.parametrize("retain_graph", [False, True])
+@pytest.mark.parametrize("dtype,normalizer,upstream", LOSS_SCALES)
+def test_a_scaled_upstream_gradient_is_within_twice_the_references_rounding(dtype, normalizer, upstream, retain_graph):
+    """The CUDA backward multiplies in fp32 and rounds once to logp's dtype, the graph freed or retained."""
+    batch = make_batch(200_000, 5, dtype=dtype)
+    logp, old_logp, adv, mask = batch
+    kw = dict(normalizer=normalizer, dual_clip_c=3.0, retain_graph=retain_graph)
+    grad = upstream_grad(dapo_loss, *to_cuda(batch), upstream, **kw)
+    grad_ref = upstream_grad(dapo_loss_reference, *batch, upstream, **kw)
+    grad_64 = upstream_grad(dapo_loss_reference, logp.double(), old_logp.double(), adv, mask, upstream, **kw)
+    assert grad.dtype == dtype and grad.is_cuda
+    keep = away_from_clip_edges(logp, old_logp, 3.0, margin=1e-3)
+    assert_within_twice_the_reference(grad.cpu(), grad_ref, grad_64, keep)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_a_retained_graph_gives_the_same_gradient_as_a_freed_one(dtype):
+    batch = to_cuda(make_batch(100_000, 6, dtype=dtype))
+    kept, freed = (upstream_grad(dapo_loss, *batch, 1 / 3, normalizer=1000, retain_graph=r) for r in (True, False))
+    assert torch.equal(kept, freed)
+
+
+def test_a_nan_advantage_gives_a_nan_gradient_like_the_reference():
+    logp, old_logp, adv, mask = make_batch(10_000, 7)
+    token = mask.nonzero()[0, 0]
+    adv[token] = float("nan")
+    loss_g, grad_g, _ = run(dapo_loss, *to_cuda((logp, old_logp, adv, mask)), normalizer=5000)
+    loss_r, grad_r, _ = run(dapo_loss_reference, logp, old_logp, adv, mask, normalizer=5000)
+    assert loss_g.isnan() and loss_r.isnan()
+    assert grad_g[token].isnan() and grad_r[token].isnan()
+    others = torch.arange(10_000) != token
+    assert rel_err(grad_g.cpu()[others], grad_r[others]) < 1e-6
+
+
+@pytest.mark.parametrize("retain_graph", [False, True])
+def test_batched_upstream_gradients_match_the_reference(retain_graph):
+    batch = make_batch(10_000, 8)
+    upstream = torch.tensor([1.0, -2.5, 1 / 3])
+    grads = []
+    for fn, inputs in ((dapo_loss, to_cuda(batch)), (dapo_loss_reference, batch)):
+        x = inputs[0].clone().requires_grad_()
+        loss, _ = fn(x, *inputs[1:], normalizer=5000, **KW)
+        (grad,) = torch.autograd.grad(loss, x, upstream.to(x.device), is_grads_batched=True, retain_graph=retain_graph)
+        grads.append(grad.cpu())
+    keep = away_from_clip_edges(batch[0], batch[1])
+    assert rel_err(grads[0][:, keep], grads[1][:, keep]) < 1e-6
+
+
+def test_compiled_autograd_matches_eager():
+    batch = to_cuda(make_batch(100_000, 10, dtype=torch.bfloat16))
+    grads = {}
+    for compiled in (False, True):
+        x = batch[0].clone().requires_grad_()
+
+        def step(x):
+            loss, _ = dapo_loss(x, *batch[1:], normalizer=50_000, **KW)
+            (loss / 3).backward()
+
+        with torch._dynamo.config.patch(compiled_autograd=compiled):
+            (torch.compile(step, backend="eager") if compiled else step)(x)
+        grads[compiled] = x.grad
+    assert torch.equal(grads[True], grads[False])
