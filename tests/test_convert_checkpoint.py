@@ -1,10 +1,12 @@
-"""tools/convert_checkpoint.py: HF <-> megatron-core distributed checkpoints at TP=2 x PP=2, for real: the
-files equal megatron-core's own save, megatron-core loads them at other layouts, and conversion streams."""
+"""tools/convert_checkpoint.py: HF <-> megatron-core distributed checkpoints at TP=2 x PP=2 (a mixture of experts
+at TP=2 x EP=2 x PP=2), for real: the files equal megatron-core's own save, megatron-core loads them at other
+layouts, and conversion streams."""
 
 import json
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -25,12 +27,14 @@ pytestmark = pytest.mark.slow
 TOOL = Path(__file__).parents[1] / "tools" / "convert_checkpoint.py"
 
 
-KINDS = ["qwen2_tied", "qwen2", "llama", "qwen3"]
+KINDS = ["qwen2_tied", "qwen2", "llama", "qwen3", "qwen3_moe"]
+# (TP, EP, PP) each kind is converted at; a mixture of experts' experts are dealt over 2 expert-parallel ranks too.
+SAVED_AT = {kind: (2, 2, 2) if kind == "qwen3_moe" else (2, 1, 2) for kind in KINDS}
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
-    """kind -> a folder with the HF model (hf/), converted at TP=2 x PP=2 (mcore/) and back (back/)."""
+    """kind -> a folder with the HF model (hf/), converted at its SAVED_AT layout (mcore/) and back (back/)."""
     roots = {}
     for kind in KINDS:
         root = roots[kind] = tmp_path_factory.mktemp(f"convert_{kind}")
@@ -38,8 +42,10 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
         model.save_pretrained(root / "hf", max_shard_size="60KB")
         (root / "hf" / "tokenizer_config.json").write_text('{"model_max_length": 96}')
         # One direction through the command-line tool, the other through the API.
+        tp, ep, pp = SAVED_AT[kind]
         subprocess.run([sys.executable, str(TOOL), "hf-to-mcore", "--input", str(root / "hf"), "--output",
-                        str(root / "mcore"), "--tp", "2", "--pp", "2"], check=True, capture_output=True, text=True)
+                        str(root / "mcore"), "--tp", str(tp), "--ep", str(ep), "--pp", str(pp)], check=True,
+                       capture_output=True, text=True)
         mcore_to_hf(root / "mcore", root / "back", max_shard_bytes=100_000)
     return roots
 
@@ -63,15 +69,16 @@ def loaded(checkpoints, tmp_path_factory) -> dict[str, dict]:
 
 @pytest.fixture(scope="module")
 def references(checkpoints, tmp_path_factory) -> dict[str, Path]:
-    """kind -> megatron-core's own save of the HF model at TP=2 x PP=2: every kind in one torchrun start."""
+    """kind -> megatron-core's own save of the HF model at its SAVED_AT layout: every kind in one torchrun start."""
     refs = {k: tmp_path_factory.mktemp(f"ref_{k}") for k in checkpoints}
-    torchrun("mcore_save_worker.py", 4, "2", "2", *(f"{root / 'hf'}={refs[k]}" for k, root in checkpoints.items()))
+    torchrun("mcore_save_worker.py", 4, *(f"{root / 'hf'}={refs[k]}@{','.join(map(str, SAVED_AT[k]))}"
+                                          for k, root in checkpoints.items()))
     return refs
 
 
 @pytest.mark.smoke
 def test_round_trip_is_bitwise_identical(converted):
-    _, root = converted
+    kind, root = converted
     src, back = HFCheckpoint(root / "hf"), HFCheckpoint(root / "back")
     assert sorted(back.names()) == sorted(src.names())
     for name in src.names():
@@ -79,7 +86,7 @@ def test_round_trip_is_bitwise_identical(converted):
     assert back.config == src.config
     assert (root / "back" / "tokenizer_config.json").read_text() == '{"model_max_length": 96}'
     meta = json.loads((root / "mcore" / "megatron_dapo.json").read_text())
-    assert (meta["tensor_parallel"], meta["pipeline_parallel"]) == (2, 2)
+    assert (meta["tensor_parallel"], meta["expert_parallel"], meta["pipeline_parallel"]) == SAVED_AT[kind]
 
 
 def test_transformers_loads_the_result(converted):
@@ -93,12 +100,28 @@ def test_transformers_loads_the_result(converted):
         assert torch.equal(reloaded(ids).logits, model(ids).logits)
 
 
-def test_loaded_at_tp1_and_tp2_pp2_matches_transformers(converted, loaded):
+def test_loaded_at_other_layouts_matches_transformers(converted, loaded):
     kind, _ = converted
     merged = loaded[kind]
-    assert set(merged) == {"tp1-pp1", "tp2-pp2"}
+    # A mixture of experts saved at TP2 x EP2 x PP2 loads whole, and with each expert alone on its rank.
+    assert set(merged) == ({"tp1-ep1-pp1", "tp1-ep4-pp1"} if kind == "qwen3_moe" else {"tp1-ep1-pp1", "tp2-ep1-pp2"})
     for layout, r in merged.items():
         assert r["tokens"] == 138 and r["max_abs_logp"] < 1e-4, (layout, r)
+
+
+def _stored_tensors(directory: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a distributed checkpoint, whole (its extra-state objects left out), through torch's own
+    loader rather than the converter's reader."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = dcp.FileSystemReader(str(directory))
+    state = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype)
+             for k, m in reader.read_metadata().state_dict_metadata.items() if isinstance(m, TensorStorageMetadata)}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # one process, as meant
+        dcp.load(state, storage_reader=reader, no_dist=True)
+    return state
 
 
 def _same_checkpoint(a: Path, b: Path):
@@ -106,12 +129,9 @@ def _same_checkpoint(a: Path, b: Path):
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from megatron_dapo.checkpoint.mcore_stream import McoreCheckpointReader
-
     ma = FileSystemReader(str(a)).read_metadata().state_dict_metadata
     mb = FileSystemReader(str(b)).read_metadata().state_dict_metadata
     assert sorted(ma) == sorted(mb)
-    regions = {}
     for key, x in ma.items():
         y = mb[key]
         assert type(x) is type(y), key
@@ -119,22 +139,23 @@ def _same_checkpoint(a: Path, b: Path):
             assert (x.size, x.properties.dtype) == (y.size, y.properties.dtype), key
             chunks = [sorted((tuple(c.offsets), tuple(c.sizes)) for c in m.chunks) for m in (x, y)]
             assert chunks[0] == chunks[1], key
-            regions[key] = x
-    ra, rb = McoreCheckpointReader(a), McoreCheckpointReader(b)
-    for key in regions:  # the whole stored tensor, read through the region reader's non-layer path
-        ta, tb = ra.read([key])[key], rb.read([key])[key]
-        assert ta.dtype == tb.dtype and torch.equal(ta, tb), key
+    ta, tb = _stored_tensors(a), _stored_tensors(b)
+    for key in ta:
+        assert torch.equal(ta[key], tb[key]), key
 
 
 def test_files_equal_megatron_cores_own_save(converted, references, tmp_path):
     kind, root = converted
     ref = references[kind]
     _same_checkpoint(root / "mcore", ref)
-    # And a checkpoint megatron-core wrote (as the trainer does) converts back to the same HF tensors.
+    # And a checkpoint megatron-core wrote (a trainer checkpoint's model folder) converts back to the same HF
+    # tensors, through the command line's own entry.
+    from megatron_dapo.checkpoint.convert import main
+
     for name in ("megatron_dapo.json", "hf"):
         src = root / "mcore" / name
         (shutil.copytree if src.is_dir() else shutil.copy2)(src, ref / name)
-    mcore_to_hf(ref, tmp_path / "back")
+    assert main(["mcore-to-hf", "--input", str(ref), "--output", str(tmp_path / "back")]) == 0
     src, back = HFCheckpoint(root / "hf"), HFCheckpoint(tmp_path / "back")
     assert sorted(back.names()) == sorted(src.names())
     assert all(torch.equal(back.get(n), src.get(n)) for n in src.names())
@@ -212,12 +233,47 @@ def test_unsupported_architecture(source, tmp_path):
     assert _nothing_written(tmp_path / "out")
 
 
-def test_a_mixture_of_experts_is_refused_until_its_layout_is_written(tmp_path):
-    hf, _ = hf_model("qwen3_moe")
-    hf.save_pretrained(tmp_path / "moe")
-    with pytest.raises(CheckpointError, match="Qwen3MoeForCausalLM: converting a mixture of experts is not supported"):
-        hf_to_mcore(tmp_path / "moe", tmp_path / "out", tp=1, pp=1)
-    assert not (tmp_path / "out").exists()
+def test_expert_parallel_sizes_that_do_not_fit(source, checkpoints, tmp_path):
+    with pytest.raises(ConfigError, match="num_experts: 4 is not divisible by parallel.expert_parallel = 3"):
+        hf_to_mcore(checkpoints["qwen3_moe"] / "hf", tmp_path / "out", tp=1, ep=3, pp=1)
+    with pytest.raises(ConfigError, match="parallel.expert_parallel: 2, but Qwen2ForCausalLM is a dense model"):
+        hf_to_mcore(source[0], tmp_path / "out", tp=1, ep=2, pp=1)
+    assert _nothing_written(tmp_path / "out")
+
+
+def test_a_transformer_engine_models_expert_layers_convert_back(checkpoints, tmp_path):
+    """A trainer with Transformer Engine (on GPUs) stores the pre-MLP norm of a layer with experts under its own
+    module's name, not fused into linear_fc1 as the local spec's and TE's dense layers do."""
+    import torch.distributed.checkpoint as dcp
+
+    root = checkpoints["qwen3_moe"]
+    state = _stored_tensors(root / "mcore")
+    sparse = [0, 2, 3]  # mlp_only_layers=[1]
+    for i in sparse:
+        state[f"decoder.layers.{i}.pre_mlp_layernorm.weight"] = state.pop(f"decoder.layers.{i}.mlp.linear_fc1."
+                                                                          "layer_norm_weight")
+    te = tmp_path / "te"
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(te)), no_dist=True)
+    for name in ("megatron_dapo.json", "hf"):
+        src = root / "mcore" / name
+        (shutil.copytree if src.is_dir() else shutil.copy2)(src, te / name)
+    mcore_to_hf(te, tmp_path / "back")
+    src, back = HFCheckpoint(root / "hf"), HFCheckpoint(tmp_path / "back")
+    assert sorted(back.names()) == sorted(src.names())
+    assert all(torch.equal(back.get(n), src.get(n)) for n in src.names())
+
+
+def test_config_that_is_not_the_mixture_of_experts_checkpoints_model(checkpoints, tmp_path):
+    other = tmp_path / "other"
+    other.mkdir()
+    config = json.loads((checkpoints["qwen3_moe"] / "hf" / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "moe_intermediate_size": 48}))
+    with pytest.raises(CheckpointError, match=r"decoder.layers.0.mlp.experts.experts.linear_fc1.weight has shape "
+                                              r"\(4, 64, 64\) but config.json implies \(4, 96, 64\)"):
+        mcore_to_hf(checkpoints["qwen3_moe"] / "mcore", tmp_path / "out", hf_config=other)
+    assert _nothing_written(tmp_path / "out")
 
 
 def test_output_that_already_holds_a_checkpoint(source, tmp_path):
@@ -368,6 +424,7 @@ def _bad_inputs(source, source_mcore, tmp_path):
         (["mcore-to-hf", "--input", str(source_mcore), "--hf-config", str(not_hf)], "no config.json"),
         (["hf-to-mcore", "--input", str(not_hf)], "no config.json"),
         (["hf-to-mcore", "--input", str(source[0]), "--tp", "8"], "num_attention_heads"),
+        (["hf-to-mcore", "--input", str(source[0]), "--ep", "2"], "is a dense model"),
         (["hf-to-mcore", "--input", str(source[0]), "--output", str(source_mcore)], "already holds a checkpoint"),
     ]
 

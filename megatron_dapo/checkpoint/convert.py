@@ -1,16 +1,17 @@
 """Convert checkpoints between Hugging Face and megatron-core's distributed format.
 
-    hf-to-mcore --input HF_DIR --output DIR --tp N --pp M
+    hf-to-mcore --input HF_DIR --output DIR --tp N --pp M [--ep E]
     mcore-to-hf --input DIR --output HF_DIR [--hf-config HF_DIR]
 
 mcore-to-hf also reads a trainer checkpoint's model: --input OUT/checkpoints/step_000040/model.
 
 Both directions stream in one process (checkpoint/mcore_stream.py): about one full tensor in memory
 while writing the distributed checkpoint, one layer's tensors plus one output shard while writing
-Hugging Face files. megatron-core loads the result at any TP x PP; TP sets the vocabulary padding and
-the chunks, PP only what is recorded. Everything is checked before anything is written (input readable
-and complete, every tensor known and of the right shape, sizes divisible, output folder free), and
-output goes to a temporary folder renamed into place only when complete.
+Hugging Face files. megatron-core loads the result at any TP x EP x PP; TP sets the vocabulary padding
+and the chunks, PP and EP (a mixture of experts' expert parallelism) only what is recorded. Everything
+is checked before anything is written (input readable and complete, every tensor known and of the
+right shape, sizes divisible, output folder free), and output goes to a temporary folder renamed into
+place only when complete.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from megatron_dapo.checkpoint.hf_mapping import (
     megatron_names,
 )
 from megatron_dapo.checkpoint.mcore_checkpoint import HF_SUBDIR, read_meta, write_meta
-from megatron_dapo.checkpoint.mcore_stream import McoreCheckpointReader, stored_key, write_mcore_checkpoint
+from megatron_dapo.checkpoint.mcore_stream import McoreCheckpointReader, layer_of, write_mcore_checkpoint
 from megatron_dapo.checkpoint.safetensors_io import (
     SIDE_FILES,
     CheckpointError,
@@ -46,14 +47,6 @@ from megatron_dapo.checkpoint.trainer_checkpoint import complete_checkpoints
 from megatron_dapo.config import ConfigError, ParallelConfig
 from megatron_dapo.policy.hf_config import ModelSpec, model_spec_from_hf
 from megatron_dapo.policy.model import check_divisibility, padded_vocab_size
-
-
-def _refuse_experts(spec: ModelSpec) -> None:
-    """megatron-core stores a mixture of experts' layers one key per layer, each expert a slice of it: a layout
-    the streaming writer and reader do not produce yet (export from a trainer instead: checkpoint/hf_export.py)."""
-    if spec.is_moe:
-        raise CheckpointError(f"{spec.architecture}: converting a mixture of experts is not supported yet; a trainer "
-                              "loads its Hugging Face folder directly (model.path) and exports one")
 
 
 def _check_output(out: Path) -> None:
@@ -76,15 +69,16 @@ def _checkpoint_dtype(ckpt: HFCheckpoint) -> torch.dtype:
     return dtypes.pop()
 
 
-def hf_to_mcore(input_dir, output_dir, *, tp: int, pp: int) -> Path:
-    """Hugging Face folder -> megatron-core distributed checkpoint, as saved at TP=tp x PP=pp."""
+def hf_to_mcore(input_dir, output_dir, *, tp: int, pp: int, ep: int = 1) -> Path:
+    """Hugging Face folder -> megatron-core distributed checkpoint, as saved at TP=tp x EP=ep x PP=pp."""
     out = Path(output_dir)
     _check_output(out)
     ckpt = HFCheckpoint(input_dir)
     spec = model_spec_from_hf(ckpt.config)
-    _refuse_experts(spec)
     ckpt.validate(spec)
-    check_divisibility(spec, ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp, device="cpu"))
+    # Sequence parallelism, which a mixture of experts trains with at TP > 1, changes no stored tensor.
+    check_divisibility(spec, ParallelConfig(tensor_parallel=tp, expert_parallel=ep, pipeline_parallel=pp,
+                                            sequence_parallel=spec.is_moe and tp > 1, device="cpu"))
     dtype = _checkpoint_dtype(ckpt)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
@@ -95,7 +89,7 @@ def hf_to_mcore(input_dir, output_dir, *, tp: int, pp: int) -> Path:
         write_mcore_checkpoint(tmp, ckpt.get, spec, tp=tp, padded_vocab=padded_vocab_size(spec.vocab_size, tp),
                                dtype=dtype, on_tensor=lambda _: bar.update(1))
         bar.close()
-        write_meta(tmp, tensor_parallel=tp, pipeline_parallel=pp, dtype=dtype)
+        write_meta(tmp, tensor_parallel=tp, expert_parallel=ep, pipeline_parallel=pp, dtype=dtype)
         (tmp / HF_SUBDIR).mkdir()
         for name in ("config.json", *SIDE_FILES):
             if (ckpt.path / name).is_file():
@@ -111,7 +105,7 @@ def hf_to_mcore(input_dir, output_dir, *, tp: int, pp: int) -> Path:
 
 def _read_groups(spec: ModelSpec) -> list[list[str]]:
     """The model's Megatron tensors in the groups they are read in: each layer's together."""
-    return [list(g) for _, g in itertools.groupby(megatron_names(spec), key=lambda m: stored_key(m)[1])]
+    return [list(g) for _, g in itertools.groupby(megatron_names(spec), key=layer_of)]
 
 
 def _hf_tensors(reader: McoreCheckpointReader, spec: ModelSpec, dtype: torch.dtype, bar):
@@ -132,9 +126,8 @@ def mcore_to_hf(input_dir, output_dir, *, hf_config=None, max_shard_bytes: int =
         raise CheckpointError(f"{hf_dir}: no config.json; pass --hf-config with the model's Hugging Face folder")
     config = json.loads((hf_dir / "config.json").read_text())
     spec = model_spec_from_hf(config)
-    _refuse_experts(spec)
-    reader = McoreCheckpointReader(input_dir)
-    reader.validate(spec)
+    reader = McoreCheckpointReader(input_dir, spec)
+    reader.validate()
     bar = _progress(sum(len(hf_names(m, spec)) for m in megatron_names(spec)), "mcore -> hf")
     write_hf_checkpoint(out, _hf_tensors(reader, spec, meta["dtype"], bar), config=config, side_files_from=hf_dir,
                         max_shard_bytes=max_shard_bytes)
@@ -169,6 +162,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a.add_argument("--output", required=True, help="new folder for the distributed checkpoint")
     a.add_argument("--tp", type=int, default=1, help="tensor-parallel size to save at (loads at any)")
     a.add_argument("--pp", type=int, default=1, help="pipeline-parallel size to save at (loads at any)")
+    a.add_argument("--ep", type=int, default=1, help="expert-parallel size of a mixture of experts to save at "
+                   "(loads at any)")
     b = sub.add_parser("mcore-to-hf", help="megatron-core distributed checkpoint -> Hugging Face folder")
     b.add_argument("--input", required=True, help="distributed checkpoint folder: a converted one, or a trainer "
                    "checkpoint's model folder, e.g. OUT/checkpoints/step_000040/model")
@@ -183,7 +178,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.direction == "hf-to-mcore":
             _check_exists("--input", args.input)
-            out = hf_to_mcore(args.input, args.output, tp=args.tp, pp=args.pp)
+            out = hf_to_mcore(args.input, args.output, tp=args.tp, pp=args.pp, ep=args.ep)
         else:
             _check_exists("--input", args.input, trainer_checkpoint=True)
             if args.hf_config:

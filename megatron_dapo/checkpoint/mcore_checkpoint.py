@@ -1,6 +1,6 @@
 """Megatron-core distributed checkpoints (dist_checkpointing) of the policy's weights.
 
-A checkpoint saved at one TP x PP layout loads at any other: dist_checkpointing reshards on load.
+A checkpoint saved at one TP x EP x PP layout loads at any other: dist_checkpointing reshards on load.
 Beside the tensors it keeps `megatron_dapo.json` (the layout it was saved at, the weights' dtype)
 and `hf/` (the source config.json and tokenizer files), so it converts back to Hugging Face alone.
 """
@@ -74,9 +74,10 @@ def load_model(model: torch.nn.Module, directory) -> None:
     model.load_state_dict(state)
 
 
-def write_meta(directory, *, tensor_parallel: int, pipeline_parallel: int, dtype: torch.dtype) -> None:
-    meta = {"tensor_parallel": tensor_parallel, "pipeline_parallel": pipeline_parallel,
-            "dtype": str(dtype).removeprefix("torch.")}
+def write_meta(directory, *, tensor_parallel: int, expert_parallel: int, pipeline_parallel: int,
+               dtype: torch.dtype) -> None:
+    meta = {"tensor_parallel": tensor_parallel, "expert_parallel": expert_parallel,
+            "pipeline_parallel": pipeline_parallel, "dtype": str(dtype).removeprefix("torch.")}
     (Path(directory) / META).write_text(json.dumps(meta, indent=2))
 
 

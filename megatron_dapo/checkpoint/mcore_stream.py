@@ -8,13 +8,22 @@ tensor whose tensor-parallel chunks are being written. The reader fetches one la
 stored tensor at a time. The files are what dist_checkpointing.save writes at the same TP (same keys,
 global shapes, chunks and dtypes; tests/test_convert_checkpoint.py compares them), so megatron-core
 loads them at any layout. How megatron-core lays the model out:
-- layer tensors are stacked over all pipeline stages: key `decoder.layers.<suffix>`, global shape
-  [num_layers, ...], one chunk per layer and tensor-parallel rank (so pipeline stages do not change
-  the files, only which rank writes what);
+- a dense model's layer tensors are stacked over all pipeline stages: key `decoder.layers.<suffix>`,
+  global shape [num_layers, ...], one chunk per layer and tensor-parallel rank (so pipeline stages
+  do not change the files, only which rank writes what);
+- a mixture of experts' layers are stored one key per layer, `decoder.layers.<i>.<suffix>` with no
+  layer axis (megatron-core's TransformerBlock stores so any model built with a per-layer
+  moe_layer_freq, as policy/model.py builds one); each of its experts' linears is one key for all experts,
+  `decoder.layers.<i>.mlp.experts.experts.linear_fc1.weight` of global shape [num_experts, ...],
+  one chunk set per expert at its global index (experts are never split over TP: expert
+  parallelism, like pipeline stages, changes only which rank writes what);
 - the local spec's layer norms are stored under Transformer Engine's names and in fp32, as
-  megatron-core's local spec keeps them;
-- each linear layer carries an `_extra_state` object per layer (None outside Transformer Engine);
-- fc1 is [gate; up] over the whole ffn width: each rank's chunk of both halves is stored apart;
+  megatron-core's local spec keeps them (the pre-MLP norm of a layer with experts too; Transformer
+  Engine's spec keeps that one as `pre_mlp_layernorm.weight`, which the reader also takes);
+- each linear layer carries an `_extra_state` object per layer and expert (None outside Transformer
+  Engine), keyed by its position along the stacked axis (`/shard_<i>_<n>`, `/shard_0_1` with none);
+- fc1 is [gate; up] over the whole ffn width: each rank's chunk of both halves is stored apart (an
+  expert's two halves too, whole);
 - word embeddings and output layer have the vocabulary padded for the saving TP; loading at another
   TP pads or cuts it (megatron-core allows that shape mismatch for them).
 """
@@ -52,7 +61,14 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 
-from megatron_dapo.checkpoint.hf_mapping import TE_FUSED_NORMS, megatron_names, megatron_shard, megatron_shape, tp_dim
+from megatron_dapo.checkpoint.hf_mapping import (
+    TE_FUSED_NORMS,
+    expert_of,
+    megatron_names,
+    megatron_shard,
+    megatron_shape,
+    tp_dim,
+)
 from megatron_dapo.checkpoint.safetensors_io import CheckpointError
 from megatron_dapo.policy.hf_config import ModelSpec
 
@@ -62,7 +78,7 @@ BACKEND = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "commo
 BACKEND_FILE, COMMON_FILE = "metadata.json", "common.pt"
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
-_LINEARS = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1", "mlp.linear_fc2")
+_LINEAR_WEIGHT = re.compile(r"\.linear_\w+\.weight$")
 
 
 @contextmanager
@@ -73,14 +89,36 @@ def _single_process():
         yield
 
 
-def stored_key(mname: str) -> tuple[str, int | None]:
-    """The checkpoint key of Megatron tensor `mname` (global layer numbering) and its layer, if any."""
+@dataclass(frozen=True)
+class Stored:
+    """Where megatron-core keeps a Megatron tensor: under `key`, at `index` along the key's leading stacked axes
+    (layers, or experts) of sizes `stack`; both empty when the key holds the tensor alone."""
+
+    key: str
+    index: tuple[int, ...] = ()
+    stack: tuple[int, ...] = ()
+
+
+def layer_of(mname: str) -> int | None:
+    match = _LAYER.match(mname)
+    return None if match is None else int(match.group(1))
+
+
+def stored(mname: str, spec: ModelSpec) -> Stored:
+    """Where megatron-core stores Megatron tensor `mname` (global layer and expert numbering) of the model."""
     match = _LAYER.match(mname)
     if match is None:
-        return mname, None
-    suffix = match.group(2)
+        return Stored(mname)
+    layer, suffix = int(match.group(1)), match.group(2)
     # megatron-core stores the local spec's norms under Transformer Engine's names.
-    return f"decoder.layers.{TE_FUSED_NORMS.get(suffix, suffix)}", int(match.group(1))
+    suffix = TE_FUSED_NORMS.get(suffix, suffix)
+    if not spec.is_moe:
+        return Stored(f"decoder.layers.{suffix}", (layer,), (spec.num_layers,))
+    expert = expert_of(mname)
+    if expert is None:
+        return Stored(f"decoder.layers.{layer}.{suffix}")
+    j, linear = expert
+    return Stored(f"decoder.layers.{layer}.mlp.experts.experts.{linear}.weight", (j,), (spec.num_experts,))
 
 
 def stored_dtype(mname: str, dtype: torch.dtype) -> torch.dtype:
@@ -90,12 +128,13 @@ def stored_dtype(mname: str, dtype: torch.dtype) -> torch.dtype:
 def _tp_chunks(mname: str, shape: tuple[int, ...], tp: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
     """(offsets, sizes) of each tensor-parallel rank's part of the full tensor, in rank order."""
     dim = tp_dim(mname)
+    if mname.endswith("linear_fc1.weight"):  # [gate; up]: each rank holds a slice of both halves
+        ranks = 1 if dim is None else tp  # an expert's fc1 is whole, its halves still stored apart
+        half = shape[0] // 2
+        step = half // ranks
+        return [((base + r * step, 0), (step, shape[1])) for r in range(ranks) for base in (0, half)]
     if dim is None:
         return [((0,) * len(shape), shape)]
-    if mname.endswith("linear_fc1.weight"):  # [gate; up]: each rank holds a slice of both halves
-        half = shape[0] // 2
-        step = half // tp
-        return [((base + r * step, 0), (step, shape[1])) for r in range(tp) for base in (0, half)]
     step = shape[dim] // tp
     chunks = []
     for r in range(tp):
@@ -114,8 +153,14 @@ class _Chunk:
 
 
 def _extra_state_keys(spec: ModelSpec) -> list[str]:
-    n = spec.num_layers
-    return [f"decoder.layers.{m}._extra_state/shard_{i}_{n}" for i in range(n) for m in _LINEARS]
+    """The `_extra_state` object of every linear layer (and expert), keyed by its place along the stacked axis."""
+    keys = []
+    for mname in megatron_names(spec):
+        if _LINEAR_WEIGHT.search(mname):
+            at = stored(mname, spec)
+            offsets, sizes = ".".join(map(str, at.index)) or "0", ".".join(map(str, at.stack)) or "1"
+            keys.append(f"{at.key.removesuffix('.weight')}._extra_state/shard_{offsets}_{sizes}")
+    return keys
 
 
 class _StreamingSavePlanner(SavePlanner):
@@ -131,16 +176,15 @@ class _StreamingSavePlanner(SavePlanner):
             self.items.append(WriteItem(index=MetadataIndex(key), type=WriteItemType.BYTE_IO))
             md[key] = BytesStorageMetadata()
         for mname in megatron_names(spec):
-            key, layer = stored_key(mname)
+            at = stored(mname, spec)
             shape = megatron_shape(mname, spec, padded_vocab)
             props = TensorProperties(dtype=stored_dtype(mname, dtype))
-            size = torch.Size(shape if layer is None else (spec.num_layers, *shape))
-            entry = md.setdefault(key, TensorStorageMetadata(properties=props, size=size, chunks=[]))
+            size = torch.Size((*at.stack, *shape))
+            entry = md.setdefault(at.key, TensorStorageMetadata(properties=props, size=size, chunks=[]))
             for offsets, sizes in _tp_chunks(mname, shape, tp):
-                if layer is not None:
-                    offsets, sizes = (layer, *offsets), (1, *sizes)
+                offsets, sizes = (*at.index, *offsets), (*(1,) * len(at.index), *sizes)
                 chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
-                index = MetadataIndex(key, chunk.offsets)
+                index = MetadataIndex(at.key, chunk.offsets)
                 entry.chunks.append(chunk)
                 self.chunks[index] = _Chunk(mname, offsets[-len(shape):], sizes[-len(shape):], props.dtype)
                 self.items.append(WriteItem(index=index, type=WriteItemType.SHARD,
@@ -243,11 +287,11 @@ class _RegionLoadPlanner(LoadPlanner):
 
 
 class McoreCheckpointReader:
-    """A dist_checkpointing torch_dist folder (converted, or saved by the trainer at any layout),
-    read one Megatron tensor at a time."""
+    """A dist_checkpointing torch_dist folder of the model `spec` (converted, or saved by the trainer at any
+    layout), read one Megatron tensor at a time."""
 
-    def __init__(self, directory):
-        self.path = Path(directory)
+    def __init__(self, directory, spec: ModelSpec):
+        self.path, self.spec = Path(directory), spec
         if not (self.path / ".metadata").is_file():
             raise CheckpointError(f"{self.path}: no .metadata; not a megatron-core distributed checkpoint "
                                   "(dist_checkpointing, torch_dist format)")
@@ -264,35 +308,43 @@ class McoreCheckpointReader:
                 raise CheckpointError(f"{file}: {index.fqn} needs bytes up to {info.offset + info.length} but the "
                                       f"file has {sizes[info.relative_path]} (truncated?)")
 
-    def validate(self, spec: ModelSpec) -> None:
-        """Every tensor of the model is there with the shape config.json implies."""
+    def _stored(self, mname: str) -> Stored:
+        at = stored(mname, self.spec)
         md = self.metadata.state_dict_metadata
+        te_norm = f"decoder.layers.{layer_of(mname)}.pre_mlp_layernorm.weight"
+        if at.key not in md and mname.endswith(".pre_mlp_layernorm.weight") and te_norm in md:
+            return Stored(te_norm)  # a layer with experts, saved with Transformer Engine's spec
+        return at
+
+    def validate(self) -> None:
+        """Every tensor of the model is there with the shape config.json implies."""
+        md, spec = self.metadata.state_dict_metadata, self.spec
         for mname in megatron_names(spec):
-            key, layer = stored_key(mname)
-            entry = md.get(key)
+            at = self._stored(mname)
+            entry = md.get(at.key)
             if not isinstance(entry, TensorStorageMetadata):
-                raise CheckpointError(f"{self.path}: no tensor {key!r}; is config.json the model this checkpoint "
+                raise CheckpointError(f"{self.path}: no tensor {at.key!r}; is config.json the model this checkpoint "
                                       "holds (pass --hf-config with its Hugging Face folder)?")
             shape = megatron_shape(mname, spec, 0)
-            want = shape if layer is None else (spec.num_layers, *shape)
+            want = (*at.stack, *shape)
             got = tuple(entry.size)
             vocab_rows = mname in ("embedding.word_embeddings.weight", "output_layer.weight")
             fits = (got[1:] == want[1:] and got[0] >= spec.vocab_size) if vocab_rows else got == want
             if not fits:
                 expected = f"({spec.vocab_size} or more padded rows, {want[1]})" if vocab_rows else str(want)
-                raise CheckpointError(f"{self.path}: {key} has shape {got} but config.json implies {expected}; is "
+                raise CheckpointError(f"{self.path}: {at.key} has shape {got} but config.json implies {expected}; is "
                                       "config.json the model this checkpoint holds?")
 
     def read(self, mnames: Iterable[str]) -> dict[str, torch.Tensor]:
         """The full Megatron tensors `mnames` (a layer's tensors: one slice of each stacked tensor)."""
+        where = {mname: self._stored(mname) for mname in mnames}
         regions = {}
-        for mname in mnames:
-            key, layer = stored_key(mname)
-            entry = self.metadata.state_dict_metadata[key]
-            size = tuple(entry.size) if layer is None else (1, *entry.size[1:])
-            offsets = (0,) * len(size) if layer is None else (layer, *(0,) * (len(size) - 1))
-            regions[mname] = (key, offsets, torch.empty(size, dtype=entry.properties.dtype))
+        for mname, at in where.items():
+            entry = self.metadata.state_dict_metadata[at.key]
+            size = (*(1,) * len(at.index), *entry.size[len(at.index):])
+            offsets = (*at.index, *(0,) * (len(size) - len(at.index)))
+            regions[mname] = (at.key, offsets, torch.empty(size, dtype=entry.properties.dtype))
         if regions:
             with _single_process():
                 dcp.load({}, storage_reader=self._reader, planner=_RegionLoadPlanner(regions), no_dist=True)
-        return {m: out if stored_key(m)[1] is None else out[0] for m, (_, _, out) in regions.items()}
+        return {m: out.reshape(out.shape[len(where[m].index):]) for m, (_, _, out) in regions.items()}

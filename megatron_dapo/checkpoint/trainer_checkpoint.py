@@ -93,13 +93,10 @@ def _layout() -> dict:
             "world_size": dist.get_world_size()}
 
 
-def _optimizer(trainer):
-    """The trainer's one megatron optimizer (get_megatron_optimizer wraps it in a ChainedOptimizer)."""
-    opts = list(getattr(trainer.optimizer, "chained_optimizers", [trainer.optimizer]))
-    if len(opts) != 1:
-        raise CheckpointError(f"optimizer: {len(opts)} chained optimizers (expert layers?); trainer checkpoints "
-                              "support the dense models' single optimizer")
-    return opts[0]
+def _optimizers(trainer) -> list:
+    """The trainer's megatron optimizers, as get_megatron_optimizer chains them: one for a dense model; for a
+    mixture of experts a second one for the experts' parameters, which are split over other data-parallel ranks."""
+    return list(getattr(trainer.optimizer, "chained_optimizers", [trainer.optimizer]))
 
 
 def _is_distributed(opt) -> bool:
@@ -122,19 +119,33 @@ def _allocate_torch_adam_state(opt) -> None:
 
 
 def _optimizer_sharded_state(trainer, is_loading: bool):
-    opt = _optimizer(trainer)
-    if _is_distributed(opt):
-        _allocate_torch_adam_state(opt)
-    return opt.sharded_state_dict(trainer.module.sharded_state_dict(), is_loading=is_loading,
-                                  metadata=_OPTIMIZER_FORMAT)
+    """The optimizers' sharded state: a dense model's one as it is; several keyed by their index, each one's tensors
+    prefixed with it, as megatron-core's ChainedOptimizer saves them."""
+    from megatron.core.dist_checkpointing.utils import add_prefix_for_sharding
+
+    opts = _optimizers(trainer)
+    model_state = trainer.module.sharded_state_dict()
+    states = {}
+    for i, opt in enumerate(opts):
+        if _is_distributed(opt):
+            _allocate_torch_adam_state(opt)
+        states[i] = opt.sharded_state_dict(model_state, is_loading=is_loading, metadata=_OPTIMIZER_FORMAT)
+        if len(opts) > 1:
+            add_prefix_for_sharding(states[i], f"chained_{i}.")
+    return states[0] if len(opts) == 1 else states
 
 
 def _load_optimizer(trainer, state: dict) -> None:
+    opts = _optimizers(trainer)
+    for opt, own in zip(opts, [state] if len(opts) == 1 else [state[i] for i in range(len(opts))]):
+        _load_one_optimizer(opt, own)
+
+
+def _load_one_optimizer(opt, state: dict) -> None:
     """load_state_dict, but for the distributed optimizer with torch Adam's `step` handled: megatron-core
     0.16 expects a `step` among the loaded per-parameter tensors (it is not there: it lives in the param
     groups) and gives every parameter one shared step tensor, which Adam would then advance once per
     parameter. So: common state and step first, tensors without `step`, then a step per parameter."""
-    opt = _optimizer(trainer)
     if not _is_distributed(opt):
         opt.load_state_dict(state)
         return
@@ -304,8 +315,8 @@ def save_trainer_checkpoint(root, step: int, trainer, extra: dict, keep_last: in
     layout = _layout()
     state = {"format": FORMAT, "step": step, "trainer_step_count": trainer.step_count,
              "model": dataclasses.asdict(trainer.spec), "layout": layout, "extra": extra_json}
-    meta = {"tensor_parallel": layout["tensor_parallel"], "pipeline_parallel": layout["pipeline_parallel"],
-            "dtype": next(trainer.module.parameters()).dtype}
+    meta = {"tensor_parallel": layout["tensor_parallel"], "expert_parallel": trainer.parallel.expert_parallel,
+            "pipeline_parallel": layout["pipeline_parallel"], "dtype": next(trainer.module.parameters()).dtype}
     # Every rank's files are in place (agreed above) before the marker.
     _agree(root, tmp, step, _attempt(_finish, root, tmp, step, state, meta) if rank0 else None)
     if keep_last:  # only now: the new checkpoint is complete

@@ -17,6 +17,11 @@ from megatron_dapo.policy.forward import response_logprobs
 from megatron_dapo.policy.hf_config import model_spec_from_hf
 from megatron_dapo.policy.model import build_model
 
+# (TP, EP, PP) each model is loaded at: everything whole, and a dense model at the TP2 x PP2 it was converted at, a
+# mixture of experts (converted at TP2 x EP2 x PP2) with each expert alone on its rank.
+DENSE_LAYOUTS = [(1, 1, 1), (2, 1, 2)]
+MOE_LAYOUTS = [(1, 1, 1), (1, 4, 1)]
+
 
 def check(kind: str, mcore_dir: str) -> dict:
     from megatron.core import parallel_state
@@ -27,8 +32,8 @@ def check(kind: str, mcore_dir: str) -> dict:
     ref = hf_response_logprobs(hf, seqs)
     meta = read_meta(mcore_dir)
     results = {}
-    for tp, pp in ((1, 1), (2, 2)):
-        parallel = ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp, device="cpu")
+    for tp, ep, pp in MOE_LAYOUTS if spec.is_moe else DENSE_LAYOUTS:
+        parallel = ParallelConfig(tensor_parallel=tp, expert_parallel=ep, pipeline_parallel=pp, device="cpu")
         runtime = init_runtime(parallel)
         model = build_model(spec, parallel, pre_process=parallel_state.is_pipeline_first_stage(),
                             post_process=parallel_state.is_pipeline_last_stage(), params_dtype=meta["dtype"])
@@ -36,7 +41,7 @@ def check(kind: str, mcore_dir: str) -> dict:
         out = response_logprobs(model.eval(), seqs, vocab_size=spec.vocab_size, max_positions=96,
                                 max_tokens_per_micro_batch=130, device=runtime.device)
         if out is not None:
-            results[f"tp{tp}-pp{pp}"] = {
+            results[f"tp{tp}-ep{ep}-pp{pp}"] = {
                 "max_abs_logp": max((o[0].double().cpu() - r[0]).abs().max().item() for o, r in zip(out, ref)),
                 "tokens": sum(o[0].numel() for o in out),
             }

@@ -2,7 +2,9 @@
 
 argv: OUT_DIR MODE LAYOUT [LAYOUT ...], MODE "full" or "resume", a layout being tp,pp (DP = the rest) and
 flags: nodist for megatron's non-distributed optimizer, bf16 for the GPU's precision (bf16 weights, an fp32
-master copy in the optimizer), llama for the tiny Llama instead of the tiny Qwen2.
+master copy in the optimizer), llama for the tiny Llama instead of the tiny Qwen2, moe for the tiny Qwen3-MoE with
+its experts over 2 expert-parallel ranks (its weights read from transformers' own files, each rank's experts
+written by that rank: OUT_DIR/{tag}-{mode}-rank{r}.pt).
 full: 3 steps, a checkpoint after each (keep_last=2), then step 4. resume: a fresh trainer (other
 seed, random weights, other RNG states) loads the latest checkpoint and runs step 4. Each step's data
 depends on the python, numpy and torch RNGs, so step 4 matches only if they were restored too.
@@ -22,10 +24,12 @@ import sys
 import numpy as np
 import torch
 import torch.distributed as dist
+from moe_worker import held_hf_state
 from tiny_models import hf_model
 from train_worker import batch, gathered_hf_state
 
 from megatron_dapo.checkpoint.hf_weights import load_policy_weights
+from megatron_dapo.checkpoint.safetensors_io import HFCheckpoint
 from megatron_dapo.checkpoint.trainer_checkpoint import (
     latest_checkpoint,
     load_trainer_checkpoint,
@@ -83,14 +87,21 @@ def run_layout(out_dir, mode, layout):
     layout, _, source = layout.partition("@")
     tp, pp, *flags = layout.split(",")
     tp, pp, nodist, bf16 = int(tp), int(pp), "nodist" in flags, "bf16" in flags
-    kind = "llama" if "llama" in flags else "qwen2"
+    kind = "llama" if "llama" in flags else "qwen3_moe" if "moe" in flags else "qwen2"
     hf, cfg = hf_model(kind)
     spec = model_spec_from_hf(cfg)
     full = mode == "full"
-    parallel = ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp, device="cpu", seed=7 if full else 99)
+    parallel = ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp, expert_parallel=2 if spec.is_moe else 1,
+                              device="cpu", seed=7 if full else 99)
     runtime = init_runtime(parallel)
+    get = hf.state_dict().__getitem__
+    if spec.is_moe:  # transformers fuses the experts in memory and writes them one by one (from global rank 0)
+        folder = os.path.join(out_dir, f"hf-{kind}-{mode}")
+        hf.save_pretrained(folder)
+        dist.barrier()
+        get = HFCheckpoint(folder).get
     tag = (f"tp{tp}-pp{pp}-dp{runtime.data_parallel}" + ("-nodist" if nodist else "") + ("-bf16" if bf16 else "")
-           + ("-llama" if kind == "llama" else ""))
+           + ("-llama" if kind == "llama" else "") + ("-ep2-moe" if spec.is_moe else ""))
     root = os.path.join(out_dir, f"ckpt-{source or tag}")
     if source:
         tag = f"{tag}-from-{source}"
@@ -99,7 +110,7 @@ def run_layout(out_dir, mode, layout):
                             params_dtype=torch.bfloat16 if bf16 else torch.float32)
     samples = batch(hf)
     if full:
-        load_policy_weights(trainer, hf.state_dict().__getitem__)
+        load_policy_weights(trainer, get)
         seed_all(11)
         for step in range(1, 4):
             trainer.step(step_batch(samples))
@@ -119,8 +130,12 @@ def run_layout(out_dir, mode, layout):
     dist.all_gather_object(draws, rng_draws())
     masters = [None] * dist.get_world_size()
     dist.all_gather_object(masters, master_digest(trainer))
-    weights = gathered_hf_state(trainer.module, spec, parallel)
-    if parallel_state.get_tensor_model_parallel_rank() == 0 and parallel_state.get_data_parallel_rank() == 0:
+    if spec.is_moe:  # each rank its own experts
+        torch.save(held_hf_state(trainer.module, spec, parallel),
+                   os.path.join(out_dir, f"{tag}-{mode}-rank{dist.get_rank()}.pt"))
+    weights = gathered_hf_state(trainer.module, spec, parallel) if not spec.is_moe else None
+    if weights is not None and parallel_state.get_tensor_model_parallel_rank() == 0 and \
+            parallel_state.get_data_parallel_rank() == 0:
         stage = parallel_state.get_pipeline_model_parallel_rank()
         torch.save(weights, os.path.join(out_dir, f"{tag}-{mode}-stage{stage}.pt"))
     if dist.get_rank() == 0:
