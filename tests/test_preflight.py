@@ -54,6 +54,10 @@ def test_shipped_architectures_are_the_published_qwen_models():
     assert sum(stage_parameters(seven, tp=1, pp=1)) == model_parameters(seven)
     big, _ = model_architecture("anywhere/Qwen2.5-32B")
     assert (big.num_layers, big.num_attention_heads, big.num_query_groups, big.hidden_size) == (64, 40, 8, 5120)
+    moe, _ = model_architecture("checkpoints/Qwen3-30B-A3B")  # 30.5B parameters, 3.3B active per token
+    experts = sum(stage_parameters(moe, tp=1, pp=1, ep=1, experts=True))
+    assert round(model_parameters(moe) / 1e9, 1) == 30.5
+    assert 3.3e9 < model_parameters(moe) - experts + experts * moe.moe_topk / moe.num_experts < 3.4e9
 
 
 @pytest.mark.parametrize("path,overrides,key", [
@@ -77,13 +81,35 @@ def test_a_model_path_without_config_json_or_shipped_architecture_is_refused(tmp
         preflight(load_config(CONFIGS / "tiny-cpu.yaml", [f"model.path={tmp_path / 'demo' / 'warm'}"]))
 
 
-def test_a_mixture_of_experts_is_refused_until_its_memory_is_counted(tmp_path):
-    """An estimate that put every expert on every rank would be wrong, not conservative: refused by name."""
+def test_a_mixture_of_experts_counts_its_experts_per_expert_parallel_rank(tmp_path):
+    """Each rank holds E / EP experts, whole, whose optimizer state splits over the expert-data-parallel ranks; the
+    attention and the rest over TP and DP as for a dense model; the routes' host memory is shown with replay."""
     from test_moe_units import QWEN3_MOE
 
-    (tmp_path / "config.json").write_text(json.dumps(QWEN3_MOE))
-    with pytest.raises(ConfigError, match="model.path: Qwen3MoeForCausalLM is a mixture of experts; preflight"):
-        preflight(load_config(CONFIGS / "tiny-cpu.yaml", [f"model.path={tmp_path}"]))
+    from megatron_dapo.preflight.estimate import trainer_layout, trainer_memory
+
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_MOE))  # 8 experts, top 2, 4 layers all with experts
+    spec, _ = model_architecture(str(tmp_path))
+    experts = sum(stage_parameters(spec, tp=1, pp=1, ep=1, experts=True))
+    assert experts == 4 * 8 * 3 * 32 * 64  # layers x experts x (gate, up, down) of 32 x 64
+    padding = 2 * (384 - 300) * 64  # the embedding's and output layer's rows past the vocabulary of 300
+    assert sum(stage_parameters(spec, tp=1, pp=1)) + experts - padding == model_parameters(spec)
+    assert stage_parameters(spec, tp=2, pp=2, ep=4, experts=True) == [2 * 2 * 3 * 32 * 64] * 2  # 2 layers, 2 each
+
+    def stage0(ep, *extra):
+        cfg = load_config(CONFIGS / "tiny-cpu.yaml", [f"model.path={tmp_path}", f"parallel.expert_parallel={ep}",
+                                                      "optim.distributed_optimizer=true", *extra])
+        return trainer_memory(cfg, spec, trainer_layout(cfg, spec, gpus=4))[0]
+
+    one, four = stage0(1), stage0(4)
+    dense = sum(stage_parameters(spec, tp=1, pp=1))
+    assert one.grads - four.grads == pytest.approx(4 * (experts - experts / 4))  # fp32 grads of 3/4 of the experts
+    # Adam's state: the experts' over the expert-data-parallel ranks (4 at EP1, 1 at EP4), the rest over DP 4
+    bytes_per = one.optimizer / (dense / 4 + experts / 4)
+    assert four.optimizer == pytest.approx(bytes_per * (dense / 4 + experts / 4 / 1))
+    text = preflight(load_config(CONFIGS / "tiny-cpu.yaml", [f"model.path={tmp_path}", "rollout.routing_replay=true",
+                                                             "parallel.expert_parallel=1"])).render()
+    assert "experts   8 per MoE layer (4 of 4), top 2: 8 per rank" in text and "routes    a batch's routes" in text
 
 
 def test_memory_over_the_gpu_is_a_warning_and_colocated_parts_add_up():

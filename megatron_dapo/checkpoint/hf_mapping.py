@@ -71,6 +71,12 @@ class MappingError(KeyError):
         return str(self.args[0])
 
 
+def layer_index(mname: str) -> int | None:
+    """The (global) layer of Megatron tensor `mname`, or None for the embeddings, final norm and output layer."""
+    match = _LAYER.match(mname)
+    return int(match.group(1)) if match else None
+
+
 def expert_of(mname: str) -> tuple[int, str] | None:
     """(expert index, "linear_fc1" | "linear_fc2") of an expert's tensor, in either spec's naming; else None."""
     match = _LAYER.match(mname)

@@ -25,6 +25,7 @@ from megatron_dapo.preflight.estimate import (
     server_estimate,
     solo_waits,
     trainer_layout,
+    route_bytes,
     trainer_memory,
     weight_folder_bytes,
 )
@@ -58,11 +59,6 @@ class Report:
 def preflight(cfg: DapoConfig, hardware: Hardware = Hardware()) -> Report:
     """Estimates and checks for `cfg`; raises ConfigError at once when an estimate cannot even be made."""
     spec, source = model_architecture(cfg.model.path)
-    if spec.is_moe:  # an estimate that counted every expert on every rank would be wrong, not conservative
-        raise ConfigError(f"model.path: {spec.architecture} is a mixture of experts; preflight's memory model and "
-                          "the training run do not cover mixtures of experts yet (the policy builds, matches "
-                          "transformers, trains and exports at any expert-parallel layout; the rollout's routes and "
-                          "the memory per expert-parallel rank are not built); train a dense model")
     layout = trainer_layout(cfg, spec, hardware.gpus)
     stages = trainer_memory(cfg, spec, layout)
     # What model.activation_recompute "full" would leave, for the warnings when it is off.
@@ -78,13 +74,18 @@ def preflight(cfg: DapoConfig, hardware: Hardware = Hardware()) -> Report:
         f"model     {spec.architecture}, {params / 1e6:.2f} M parameters",
         f"          {spec.num_layers} layers, {spec.max_position_embeddings} positions ({os.path.relpath(source)})",
         f"trainer   {layout.gpus} {processes[layout.gpus > 1]} = TP{p.tensor_parallel} x PP{p.pipeline_parallel} "
-        f"x DP{layout.data_parallel} ({layout.assumption})",
+        f"x DP{layout.data_parallel}" + (f", experts over EP{p.expert_parallel}" if spec.is_moe else "")
+        + f" ({layout.assumption})",
+        *([f"experts   {spec.num_experts} per MoE layer ({sum(spec.moe_layers)} of {spec.num_layers}), top "
+           f"{spec.moe_topk}: {spec.num_experts // p.expert_parallel} per rank"] if spec.is_moe else []),
         f"hardware  {hardware.gpu_memory_gb:g} GB and {hardware.gpu_bandwidth_tbs:g} TB/s per GPU "
         "(--gpu-memory-gb, --gpu-bandwidth-tbs)",
         "",
         *_memory_table(cfg, stages, server, hardware, recomputed),
         "",
         *_rollout_lines(cfg, server),
+        *([f"routes    a batch's routes on the driver (rollout.routing_replay): {_size(route_bytes(cfg, spec))} of "
+           "host memory, worst case"] if route_bytes(cfg, spec) else []),
         "solo wait " + "; ".join(f"{w.cause}: {_size(w.nbytes)} at {DISK_BYTES_PER_S / GB:g} GB/s = {w.seconds:.0f} s"
                                  for w in waits),
     ])

@@ -11,6 +11,8 @@ Trainer, per GPU (one tensor-parallel rank of one pipeline stage s):
   grads        4 bytes per parameter: our DDP reduces gradients in fp32 (grad_reduce_in_fp32)
   optimizer    Adam's m and v, plus an fp32 master copy of bf16 weights: 12 bytes per parameter (8 for fp32
                weights), divided by DP with optim.distributed_optimizer
+  a mixture of experts: each rank holds E / EP experts of every MoE layer of its stage, whole (no expert TP), and
+               their optimizer state is divided by the expert-data-parallel size, TP x DP / EP
   activations  ACT x max_tokens_per_micro_batch x the stage's layers x the micro-batches 1F1B keeps in flight
                on stage s: min(PP - s, micro-batches per DP rank per update).
                With model.activation_recompute "full" a layer keeps only its input, dtype bytes x h per token,
@@ -26,6 +28,12 @@ recomputation):
                  + q/TP           the attention output, linear_proj's input
                  + 4 f/TP)        SwiGLU: fc1's gate and up halves, silu(gate), and the product (fc2's input)
   + 4 bytes x heads/TP           the attention kernel's fp32 log-sum-exp
+  On a layer with experts, 4 f/TP becomes k (3 h + 4 f_moe): each token's top k copies dispatched, received and
+  combined, and SwiGLU in each of its k experts, with routing as balanced as it comes (a skewed router can put up
+  to EP times that on one rank), + 8 bytes x E of fp32 router logits and probabilities. With sequence parallelism
+  the norms' 4 h and the experts' term are split over TP too.
+Routing replay: the driver holds a batch's routes, every response of the groups drawn at the longest sequence x
+MoE layers x top k ids of samples.route_dtype (uint8 up to 256 experts).
 
 SGLang server, per GPU (TP = rollout.server_tensor_parallel):
   weights  all parameters x B / TP, B the bytes of model.dtype (2 in bf16, 4 in fp32): servers serve at it
@@ -55,7 +63,15 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_dapo.checkpoint.hf_mapping import expected_hf_names, hf_shape, megatron_names, megatron_shape, tp_dim
+from megatron_dapo.checkpoint.hf_mapping import (
+    expected_hf_names,
+    expert_of,
+    hf_shape,
+    layer_index,
+    megatron_names,
+    megatron_shape,
+    tp_dim,
+)
 from megatron_dapo.config import ConfigError
 from megatron_dapo.parallel.runtime import builds_for_gpu
 from megatron_dapo.policy.hf_config import ModelSpec, model_spec_from_hf
@@ -63,6 +79,7 @@ from megatron_dapo.policy.logprobs import CHUNK_ELEMENTS
 from megatron_dapo.policy.model import check_divisibility, padded_vocab_size
 from megatron_dapo.rollout.from_config import server_config
 from megatron_dapo.run_config import DapoConfig
+from megatron_dapo.samples import route_dtype
 
 GB = 1e9
 SHIPPED_MODELS = Path(__file__).resolve().parents[2] / "launch" / "models"
@@ -180,53 +197,88 @@ class TrainerMemory:
         return self.state + self.activations + self.logits
 
 
-def stage_parameters(spec: ModelSpec, tp: int, pp: int) -> list[int]:
-    """Parameters on one tensor-parallel rank of each pipeline stage."""
+def stage_parameters(spec: ModelSpec, tp: int, pp: int, ep: int = 1, experts: bool = False) -> list[int]:
+    """Parameters on one rank of each pipeline stage: without `experts`, all but a mixture of experts' experts (split
+    over TP where megatron-core splits them); with it, the experts alone (E / EP of them on each rank, whole)."""
     vocab = padded_vocab_size(spec.vocab_size, tp)
 
     def shard(name: str) -> int:
+        if (expert_of(name) is not None) != experts:
+            return 0
         n = math.prod(megatron_shape(name, spec, vocab))
-        return n // tp if tp_dim(name) is not None else n
+        return n // ep if experts else n // tp if tp_dim(name) is not None else n
 
-    per_layer = sum(shard(n) for n in megatron_names(spec) if n.startswith("decoder.layers.0."))
+    per_layer = [0] * spec.num_layers
+    for name in megatron_names(spec):
+        layer = layer_index(name)
+        if layer is not None:
+            per_layer[layer] += shard(name)
+    per_stage = spec.num_layers // pp
+    stages = [sum(per_layer[i * per_stage:(i + 1) * per_stage]) for i in range(pp)]
     embedding = shard("embedding.word_embeddings.weight")
-    stages = [spec.num_layers // pp * per_layer] * pp
     stages[0] += embedding
     output = 0 if spec.tie_word_embeddings and pp == 1 else embedding
     stages[-1] += shard("decoder.final_layernorm.weight") + output
     return stages
 
 
-def activation_bytes(spec: ModelSpec, tp: int, dtype_bytes: int) -> float:
-    """ACT of the module docstring: bytes saved for the backward per token per layer, without recomputation."""
+def activation_bytes(spec: ModelSpec, tp: int, dtype_bytes: int, sparse: bool = False,
+                     sequence_parallel: bool = False) -> float:
+    """ACT of the module docstring: bytes saved for the backward per token per layer, without recomputation; of a
+    layer with experts (`sparse`) or a dense one."""
     h, d = spec.hidden_size, spec.head_dim
     q, kv = spec.num_attention_heads * d, spec.num_query_groups * d
-    elements = 4 * h + (q + 2 * kv) / tp + q / tp + 4 * spec.ffn_hidden_size / tp
-    return dtype_bytes * elements + 4 * spec.num_attention_heads / tp
+    mlp = 4 * spec.ffn_hidden_size / tp
+    if sparse:  # each token's top k copies, dispatched and combined, through SwiGLU experts of moe_ffn_hidden_size
+        k = spec.moe_topk
+        mlp = (k * (3 * h + 4 * spec.moe_ffn_hidden_size)) / (tp if sequence_parallel else 1)
+    elements = 4 * h / (tp if sequence_parallel else 1) + (q + 2 * kv) / tp + q / tp + mlp
+    router = 4 * spec.num_experts * 2 if sparse else 0  # fp32 logits and probabilities over the experts
+    return dtype_bytes * elements + 4 * spec.num_attention_heads / tp + router
 
 
 def trainer_memory(cfg: DapoConfig, spec: ModelSpec, layout: Layout) -> list[TrainerMemory]:
     p = cfg.parallel
-    tp, pp = p.tensor_parallel, p.pipeline_parallel
+    tp, pp, ep = p.tensor_parallel, p.pipeline_parallel, p.expert_parallel
     dtype_bytes, optimizer_bytes = trainer_bytes_per_parameter(cfg)
-    optimizer_bytes /= layout.data_parallel if cfg.optim.distributed_optimizer else 1
+    # the distributed optimizer splits a parameter's state over the ranks that hold it: the data-parallel ones, and
+    # for an expert the expert-data-parallel ones (a stage's TP x DP ranks over EP)
+    dense_share = layout.data_parallel if cfg.optim.distributed_optimizer else 1
+    expert_share = tp * layout.data_parallel // ep if cfg.optim.distributed_optimizer else 1
     tokens = cfg.model.max_tokens_per_micro_batch
     g = cfg.algorithm
     responses = math.ceil(g.batch_size * g.group_size / cfg.train.updates_per_step / layout.data_parallel)
     micro_batches = math.ceil(responses / max(1, tokens // longest_sequence(cfg)))
-    full_layer = activation_bytes(spec, tp, dtype_bytes)  # per token
     recompute = cfg.model.activation_recompute == "full"
-    kept_per_layer = dtype_bytes * spec.hidden_size if recompute else full_layer  # per token
-    recomputing = full_layer * tokens if recompute else 0.0  # the one layer whose backward runs
-    layers = spec.num_layers // pp
+    per_stage = spec.num_layers // pp
+    sparse = spec.moe_layers or (False,) * spec.num_layers
     columns = padded_vocab_size(spec.vocab_size, tp) // tp
     logits = tokens * columns * dtype_bytes + min(CHUNK_ELEMENTS, tokens * columns) * 4
     copies = 2 if cfg.loss.kl_coef > 0 else 1  # the policy, and the KL term's reference
-    return [TrainerMemory(stage=s, layers=layers, weights=copies * n * dtype_bytes, grads=n * 4,
-                          optimizer=n * optimizer_bytes,
-                          activations=kept_per_layer * tokens * layers * min(pp - s, micro_batches) + recomputing,
-                          logits=logits if s == pp - 1 else 0.0, recompute=recompute)
-            for s, n in enumerate(stage_parameters(spec, tp, pp))]
+    out = []
+    for s, (dense, experts) in enumerate(zip(stage_parameters(spec, tp, pp), stage_parameters(spec, tp, pp, ep, True))):
+        full = [activation_bytes(spec, tp, dtype_bytes, sparse[i], p.sequence_parallel)
+                for i in range(s * per_stage, (s + 1) * per_stage)]  # per token, each layer of the stage
+        kept = dtype_bytes * spec.hidden_size * per_stage if recompute else sum(full)  # per token
+        recomputing = max(full) * tokens if recompute else 0.0  # the one layer whose backward runs
+        n = dense + experts
+        out.append(TrainerMemory(stage=s, layers=per_stage, weights=copies * n * dtype_bytes, grads=n * 4,
+                                 optimizer=optimizer_bytes * (dense / dense_share + experts / expert_share),
+                                 activations=kept * tokens * min(pp - s, micro_batches) + recomputing,
+                                 logits=logits if s == pp - 1 else 0.0, recompute=recompute))
+    return out
+
+
+def route_bytes(cfg: DapoConfig, spec: ModelSpec) -> float:
+    """Host memory of a batch's routes on the driver (rollout.routing_replay), worst case: every response of every
+    group drawn for the batch (algorithm.oversample_factor over batch_size) at the longest sequence, each position
+    its MoE layers' top-k ids in samples.route_dtype."""
+    if not (spec.is_moe and cfg.rollout.routing_replay):
+        return 0.0
+    g = cfg.algorithm
+    responses = math.ceil(g.batch_size * g.oversample_factor) * g.group_size
+    return responses * longest_sequence(cfg) * sum(spec.moe_layers) * spec.moe_topk * \
+        route_dtype(spec.num_experts).itemsize
 
 
 @dataclass(frozen=True)
