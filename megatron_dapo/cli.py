@@ -34,6 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     demo = commands.add_parser("demo", help="a tiny model learns arithmetic with DAPO on this CPU, in minutes")
     demo.add_argument("--output", default="runs/demo", help="folder for the data, models, metrics and plot")
     demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--moe", action="store_true", help="the policy a tiny Qwen3-MoE (8 experts, top 2), its "
+                      "routers replaying the engine's routes")
     demo.add_argument("--verbose", action="store_true", help=VERBOSE_HELP.format(log="OUTPUT/demo.log"))
     convert = commands.add_parser("convert", help="convert checkpoints between Hugging Face and megatron-core")
     from megatron_dapo.checkpoint import convert as convert_module
@@ -75,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
 
         log_file = setup_run_logging(args.output, "demo", verbose=args.verbose, append=False)
         log.info("full log (libraries and warnings included): %s", log_file)
-        return run_demo(args.output, seed=args.seed, log_file=log_file)
+        return run_demo(args.output, seed=args.seed, log_file=log_file, moe=args.moe)
     parser.error(f"unknown command {args.command!r}")
     return 2
 

@@ -46,14 +46,15 @@ DAPO = {
 }
 
 
-def prepare_task(out: Path, seed: int):
-    """The demo task in `out`: train.jsonl, eval.jsonl, the tiny random model (base/); the warm start's pairs."""
+def prepare_task(out: Path, seed: int, moe: bool = False):
+    """The demo task in `out`: train.jsonl, eval.jsonl, the tiny random model (base/; a Qwen3-MoE with `moe`); the
+    warm start's pairs."""
     rows = generate_rows(NUM_ROWS, seed, **TASK)
     train, held_out = split_held_out(rows, NUM_EVAL, seed)
     write_rows(out / "train.jsonl", train)
     write_rows(out / "eval.jsonl", held_out)
     corpus = [r["prompt"][0]["content"] + r["extra_info"]["solution"] for r in rows]
-    tokenizer = make_tiny_model(out / "base", corpus, seed=seed)
+    tokenizer = make_tiny_model(out / "base", corpus, seed=seed, moe=moe)
     pairs = [(encode_prompt(tokenizer, r["prompt"]), tokenizer.encode(r["extra_info"]["solution"])
               + [tokenizer.eos_token_id]) for r in train]
     return pairs
@@ -70,17 +71,21 @@ def without_recipe(cfg: dict) -> dict:
                       for section, keys in RECIPE_KEYS.items()}}
 
 
-def dapo_config(out: Path, model: Path, output_dir: Path, seed: int) -> dict:
-    """The DAPO phase's config (a dict in the YAML's shape) for the task in `out`, starting from `model`."""
+def dapo_config(out: Path, model: Path, output_dir: Path, seed: int, moe: bool = False) -> dict:
+    """The DAPO phase's config (a dict in the YAML's shape) for the task in `out`, starting from `model`; with `moe`
+    (a mixture of experts) the trainer's routers replay the engine's routes, without a load-balancing loss."""
     # 8192 tokens: a step's 256 responses (~17 tokens each) in one micro-batch when their log-probs are recomputed.
-    return {**DAPO, "model": {"path": str(model), "max_tokens_per_micro_batch": 8192},
+    return {**DAPO, "model": {"path": str(model), "max_tokens_per_micro_batch": 8192,
+                              **({"moe_aux_loss_coef": 0.0} if moe else {})},
+            "rollout": {**DAPO["rollout"], **({"routing_replay": True} if moe else {})},
             "data": {"train_path": str(out / "train.jsonl"), "eval_path": str(out / "eval.jsonl"), "seed": seed,
                      "max_prompt_len": 32},
             "train": {**DAPO["train"], "output_dir": str(output_dir)}}
 
 
-def run_demo(output_dir: str = "runs/demo", seed: int = 0, log_file: Path | None = None) -> int:
-    """Run the demo in `output_dir`; `log_file`: where the entry point sends the full log (named in the report)."""
+def run_demo(output_dir: str = "runs/demo", seed: int = 0, log_file: Path | None = None, moe: bool = False) -> int:
+    """Run the demo in `output_dir`; `log_file`: where the entry point sends the full log (named in the report);
+    `moe`: the policy a tiny Qwen3-MoE (one process, so every expert on it: EP = 1), with routing replay."""
     from megatron_dapo.parallel.runtime import free_port
     from megatron_dapo.run_config import load_config
     from megatron_dapo.trainer import DapoTrainer
@@ -90,7 +95,7 @@ def run_demo(output_dir: str = "runs/demo", seed: int = 0, log_file: Path | None
     out.mkdir(parents=True, exist_ok=True)
     times = {}
     start = time.perf_counter()
-    pairs = prepare_task(out, seed)
+    pairs = prepare_task(out, seed, moe)
     times["data + tiny model"] = time.perf_counter() - start
     t = time.perf_counter()
     steps, accuracy = supervised_warm_start(out / "base", out / "warm", pairs, seed=seed, **WARM_START)
@@ -98,7 +103,8 @@ def run_demo(output_dir: str = "runs/demo", seed: int = 0, log_file: Path | None
     print(f"warm start: {steps} steps, sampled accuracy on training prompts {100 * accuracy:.1f} %", flush=True)
 
     # The run's config goes beside it: `megatron-dapo train OUT/dapo.yaml` repeats the DAPO phase alone.
-    (out / "dapo.yaml").write_text(yaml.safe_dump(dapo_config(out, out / "warm", out / "dapo", seed), sort_keys=False))
+    (out / "dapo.yaml").write_text(yaml.safe_dump(dapo_config(out, out / "warm", out / "dapo", seed, moe),
+                                                  sort_keys=False))
     cfg = load_config(out / "dapo.yaml")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ["MASTER_PORT"] = str(free_port())

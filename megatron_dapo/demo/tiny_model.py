@@ -1,4 +1,5 @@
-"""A tiny Qwen2 policy and its tokenizer, made from scratch for the CPU demo (nothing is downloaded).
+"""A tiny Qwen2 policy (or a Qwen3-MoE one) and its tokenizer, made from scratch for the CPU demo (nothing is
+downloaded).
 
 The tokenizer is byte-level BPE trained on the task's own text, with digits always split into single
 tokens (so numbers are spelled digit by digit) and a minimal chat template; the model has random
@@ -30,19 +31,26 @@ def train_tokenizer(corpus: list[str], vocab_size: int):
 
 
 def make_tiny_model(path, corpus: list[str], *, seed: int, hidden: int = 128, layers: int = 4, heads: int = 4,
-                    max_positions: int = 64):
-    """Save a random tiny Qwen2 and a tokenizer trained on `corpus` to `path`; returns the tokenizer."""
+                    max_positions: int = 64, moe: bool = False):
+    """Save a random tiny Qwen2 (with `moe`, a Qwen3-MoE: 8 experts of width `hidden`, top 2, in every layer) and a
+    tokenizer trained on `corpus` to `path`; returns the tokenizer."""
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     tokenizer = train_tokenizer(corpus, vocab_size=320)
     torch.manual_seed(seed)
-    config = Qwen2Config(hidden_size=hidden, intermediate_size=hidden * 3, num_hidden_layers=layers,
-                         num_attention_heads=heads, num_key_value_heads=heads // 2, vocab_size=len(tokenizer),
-                         max_position_embeddings=max_positions, rms_norm_eps=1e-6, tie_word_embeddings=True,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                         bos_token_id=None, architectures=["Qwen2ForCausalLM"])
-    model = Qwen2ForCausalLM(config).float()
+    shape = dict(hidden_size=hidden, intermediate_size=hidden * 3, num_hidden_layers=layers,
+                 num_attention_heads=heads, num_key_value_heads=heads // 2, vocab_size=len(tokenizer),
+                 max_position_embeddings=max_positions, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                 eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
+    if moe:
+        config = Qwen3MoeConfig(**shape, head_dim=hidden // heads, num_experts=8, num_experts_per_tok=2,
+                                moe_intermediate_size=hidden, norm_topk_prob=True, router_aux_loss_coef=0.0,
+                                architectures=["Qwen3MoeForCausalLM"])
+        model = Qwen3MoeForCausalLM(config).float()
+    else:
+        config = Qwen2Config(**shape, architectures=["Qwen2ForCausalLM"])
+        model = Qwen2ForCausalLM(config).float()
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     Path(path).mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path)
