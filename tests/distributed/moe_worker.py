@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from policy_worker import logprob_errors
 from tiny_models import PARITY_DTYPE, hf_model, hf_response_logprobs, sequences
-from train_worker import batch
+from train_worker import batch, gathered_hf_state
 
 from megatron_dapo.checkpoint.hf_export import export_hf_checkpoint
 from megatron_dapo.checkpoint.hf_mapping import hf_tensors, tp_dim
@@ -79,26 +79,6 @@ def parity_case(spec, ckpt, seqs, ref, layout, out_dir) -> tuple[dict | None, di
     return errors, same
 
 
-@torch.no_grad()
-def held_hf_state(model, spec, parallel) -> dict:
-    """The HF tensors this rank holds (tensor-parallel shards gathered; its experts only)."""
-    from megatron.core import parallel_state
-
-    tp_group = parallel_state.get_tensor_model_parallel_group()
-    layers = layer_offset(spec, parallel, parallel_state.get_pipeline_model_parallel_rank())
-    experts = expert_offset(spec, parallel, parallel_state.get_expert_model_parallel_rank())
-    out = {}
-    for name, p in model.named_parameters():
-        mname = global_name(name, layers, experts)
-        if tp_dim(mname) is None:
-            shards = [p.detach().clone()]
-        else:
-            shards = [torch.empty_like(p) for _ in range(parallel.tensor_parallel)]
-            dist.all_gather(shards, p.detach().contiguous(), group=tp_group)
-        out.update(hf_tensors(mname, shards, spec))
-    return out
-
-
 def training_case(out_dir, spec, get, hf, layout, aux_loss_coef: float = 0.0) -> None:
     """`aux_loss_coef`: the load-balancing loss's; 0 (the split invariance: it is computed per micro-batch)."""
     from megatron.core import parallel_state
@@ -114,9 +94,9 @@ def training_case(out_dir, spec, get, hf, layout, aux_loss_coef: float = 0.0) ->
     load_policy_weights(trainer, get)
     dp, dp_rank = runtime.data_parallel, parallel_state.get_data_parallel_rank()
     mine = batch(hf)[dp_rank::dp]
-    before = held_hf_state(trainer.module, spec, parallel)
+    before = gathered_hf_state(trainer.module, spec, parallel)
     result = trainer.step(mine)
-    after = held_hf_state(trainer.module, spec, parallel)
+    after = gathered_hf_state(trainer.module, spec, parallel)
     tag = layout_tag(*layout) + ("-aux" if aux_loss_coef else "")
     torch.save({k: after[k] - before[k] for k in after}, os.path.join(out_dir, f"{tag}-rank{dist.get_rank()}.pt"))
     if dist.get_rank() == 0:

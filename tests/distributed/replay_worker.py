@@ -16,9 +16,9 @@ from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
-from moe_worker import held_hf_state, layout_tag, parallel_config
+from moe_worker import layout_tag, parallel_config
 from tiny_models import PARITY_DTYPE, hf_model, hf_response_logprobs, sequences
-from train_worker import batch
+from train_worker import batch, gathered_hf_state
 
 from megatron_dapo.checkpoint.hf_weights import load_hf_weights, load_policy_weights
 from megatron_dapo.checkpoint.safetensors_io import HFCheckpoint
@@ -153,9 +153,9 @@ def layout_case(out_dir, spec, ckpt, hf, layout, seqs, ref) -> dict:
     samples = [RolloutSample(s, r.old_logp, r.advantages, r.loss_mask) for s, r in
                zip(routed([r.sequence for r in batch(hf)], spec), batch(hf))][dp_rank::dp]
     check = RouteCheck(trainer.module)
-    before = held_hf_state(trainer.module, spec, parallel)
+    before = gathered_hf_state(trainer.module, spec, parallel)
     result = trainer.step(samples)
-    after = held_hf_state(trainer.module, spec, parallel)
+    after = gathered_hf_state(trainer.module, spec, parallel)
     check.close()
     tag = "replay-" + layout_tag(*layout)
     torch.save({k: after[k] - before[k] for k in after}, os.path.join(out_dir, f"{tag}-rank{dist.get_rank()}.pt"))

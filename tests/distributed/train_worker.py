@@ -18,7 +18,7 @@ import torch.distributed as dist
 from tiny_models import PARITY_DTYPE, hf_model, hf_response_logprobs, sequences
 
 from megatron_dapo.checkpoint.hf_mapping import hf_tensors, tp_dim
-from megatron_dapo.checkpoint.hf_weights import global_name, layer_offset, load_policy_weights
+from megatron_dapo.checkpoint.hf_weights import expert_offset, global_name, layer_offset, load_policy_weights
 from megatron_dapo.config import ParallelConfig
 from megatron_dapo.ops.dapo_loss_reference import sample_level_loss_reference
 from megatron_dapo.parallel.runtime import init_runtime, reset_parallel_layout, shutdown_runtime
@@ -45,13 +45,15 @@ def batch(hf):
 
 @torch.no_grad()
 def gathered_hf_state(model, spec, parallel):
+    """The HF tensors this rank holds (tensor-parallel shards gathered; of a mixture of experts, its experts only)."""
     from megatron.core import parallel_state
 
     tp_group = parallel_state.get_tensor_model_parallel_group()
     offset = layer_offset(spec, parallel, parallel_state.get_pipeline_model_parallel_rank())
+    experts = expert_offset(spec, parallel, parallel_state.get_expert_model_parallel_rank())
     out = {}
     for name, p in model.named_parameters():
-        mname = global_name(name, offset)
+        mname = global_name(name, offset, experts)
         if tp_dim(mname) is None:
             shards = [p.detach().clone()]
         else:

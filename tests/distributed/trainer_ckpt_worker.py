@@ -24,7 +24,6 @@ import sys
 import numpy as np
 import torch
 import torch.distributed as dist
-from moe_worker import held_hf_state
 from tiny_models import hf_model
 from train_worker import batch, gathered_hf_state
 
@@ -130,12 +129,10 @@ def run_layout(out_dir, mode, layout):
     dist.all_gather_object(draws, rng_draws())
     masters = [None] * dist.get_world_size()
     dist.all_gather_object(masters, master_digest(trainer))
+    weights = gathered_hf_state(trainer.module, spec, parallel)
     if spec.is_moe:  # each rank its own experts
-        torch.save(held_hf_state(trainer.module, spec, parallel),
-                   os.path.join(out_dir, f"{tag}-{mode}-rank{dist.get_rank()}.pt"))
-    weights = gathered_hf_state(trainer.module, spec, parallel) if not spec.is_moe else None
-    if weights is not None and parallel_state.get_tensor_model_parallel_rank() == 0 and \
-            parallel_state.get_data_parallel_rank() == 0:
+        torch.save(weights, os.path.join(out_dir, f"{tag}-{mode}-rank{dist.get_rank()}.pt"))
+    elif parallel_state.get_tensor_model_parallel_rank() == 0 and parallel_state.get_data_parallel_rank() == 0:
         stage = parallel_state.get_pipeline_model_parallel_rank()
         torch.save(weights, os.path.join(out_dir, f"{tag}-{mode}-stage{stage}.pt"))
     if dist.get_rank() == 0:
