@@ -173,6 +173,19 @@ def test_bf16_round_trip_keeps_dtype_and_bits(tmp_path):
         assert a.dtype == b.dtype == torch.bfloat16 and torch.equal(a, b), name
 
 
+def test_llama3_round_trip_is_bitwise_and_keeps_the_rope_parameters(tmp_path):
+    """Llama 3.2-shaped (rope_type llama3, factor 32, tied embeddings) at TP=2 x PP=2 and back."""
+    model, _ = hf_model("llama32")
+    model.save_pretrained(tmp_path / "hf", max_shard_size="60KB")
+    hf_to_mcore(tmp_path / "hf", tmp_path / "mcore", tp=2, pp=2)
+    mcore_to_hf(tmp_path / "mcore", tmp_path / "back", max_shard_bytes=100_000)
+    src, back = HFCheckpoint(tmp_path / "hf"), HFCheckpoint(tmp_path / "back")
+    assert sorted(back.names()) == sorted(src.names())
+    for name in src.names():
+        assert torch.equal(back.get(name), src.get(name)), name
+    assert back.config == src.config and back.config["rope_parameters"]["rope_type"] == "llama3"
+
+
 @pytest.fixture(scope="module")
 def source(tmp_path_factory):
     root = tmp_path_factory.mktemp("bad_inputs")

@@ -8,6 +8,8 @@ from torchrun_launch import torchrun
 CASES = [f"{kind}-tp{tp}-pp{pp}" for kind in ("qwen2", "qwen2_tied", "qwen3", "llama")
          for tp, pp in ((1, 1), (2, 1), (1, 2), (2, 2))]
 CASES += [f"folder-{kind}-tp2-pp2" for kind in ("qwen2_tied", "qwen2", "llama")]
+# Llama 3.1 (factor 8) and 3.2 (factor 32, tied embeddings): rope_type llama3, whole and split
+CASES += ["llama31-tp1-pp1", "llama31-tp2-pp2", "llama32-tp1-pp1", "llama32-tp1-pp2"]
 
 
 @pytest.fixture(scope="module")
@@ -27,6 +29,13 @@ def test_logprobs_and_entropy_match_transformers(parity, case):
     assert r["tokens"] == 138
     assert r["max_abs_logp"] < 1e-4
     assert r["max_abs_entropy"] < 1e-4
+
+
+@pytest.mark.parametrize("kind", ["llama31", "llama32"])
+def test_llama3_rotary_scaling_acts_in_these_sequences(parity, kind):
+    """Without the scaling the same weights miss transformers by over 10x the tolerance above (2e-3 and 3e-3
+    against 7e-7 with it: random weights attend nearly uniformly, so positions move the log-probs little)."""
+    assert parity[f"unscaled-{kind}-tp1-pp1"]["max_abs_logp"] > 1e-3
 
 
 @pytest.mark.parametrize("kind", ["qwen2_tied", "qwen2", "llama"])

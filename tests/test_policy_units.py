@@ -34,12 +34,40 @@ def test_spec_from_qwen2_and_llama_configs():
     assert qwen3.qk_layernorm and qwen3.head_dim == 32
 
 
+def test_llama3_rope_scaling_is_read_as_transformers_reads_it():
+    from megatron_dapo.policy.hf_config import Llama3RopeScaling
+
+    # Llama 3.1's published config.json: rope_scaling beside a top-level rope_theta
+    llama31 = {**QWEN2, "architectures": ["LlamaForCausalLM"], "rope_parameters": None, "rope_theta": 5e5,
+               "max_position_embeddings": 131072,
+               "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                "original_max_position_embeddings": 8192, "rope_type": "llama3"}}
+    spec = model_spec_from_hf(llama31)
+    assert (spec.rope_theta, spec.rope_scaling) == (5e5, Llama3RopeScaling(8.0, 1.0, 4.0, 8192))
+    # transformers 5's rope_parameters (theta inside); without original_max_position_embeddings transformers takes
+    # max_position_embeddings
+    params = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 32.0, "low_freq_factor": 1.0,
+              "high_freq_factor": 4.0}
+    spec = model_spec_from_hf({**llama31, "rope_scaling": None, "rope_parameters": params})
+    assert (spec.rope_theta, spec.rope_scaling) == (5e5, Llama3RopeScaling(32.0, 1.0, 4.0, 131072))
+    # Both given: transformers takes rope_scaling whole, theta from the top level
+    spec = model_spec_from_hf({**llama31, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}})
+    assert (spec.rope_theta, spec.rope_scaling) == (5e5, Llama3RopeScaling(8.0, 1.0, 4.0, 8192))
+    assert model_spec_from_hf(QWEN2).rope_scaling is None
+
+
 @pytest.mark.parametrize("override,message", [
     (dict(architectures=["GPT2LMHeadModel"]), "architectures: .*not supported"),
     (dict(architectures=None), "architectures"),
     (dict(hidden_act="gelu"), "hidden_act"),
     (dict(num_key_value_heads=3), "num_key_value_heads: 3 does not divide"),
-    (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4}), "rope_scaling"),
+    (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4}),
+     r"rope_parameters.rope_type: 'yarn' is not supported; supported: default, llama3"),
+    (dict(rope_scaling={"type": "dynamic", "factor": 2.0}), r"rope_scaling.rope_type: 'dynamic' is not supported"),
+    (dict(rope_scaling={"rope_type": "longrope", "short_factor": [1.0], "long_factor": [1.0]}),
+     r"rope_scaling.rope_type: 'longrope' is not supported"),
+    (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0}),
+     r"rope_scaling.high_freq_factor: missing \(rope_type llama3 needs factor, low_freq_factor, high_freq_factor\)"),
     (dict(use_sliding_window=True), "use_sliding_window"),
 ])
 def test_bad_hf_config_names_the_key(override, message):

@@ -25,6 +25,21 @@ REFUSED_ARCHITECTURES = {
 MOE_REQUIRED_KEYS = ("moe_intermediate_size", "num_experts_per_tok")
 REQUIRED_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size",
                  "max_position_embeddings", "rms_norm_eps")
+# transformers' rope_type values the builder reproduces; the others (linear, dynamic, yarn, longrope, ...) are refused
+ROPE_TYPES = ("default", "llama3")
+LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor")
+
+
+@dataclass(frozen=True)
+class Llama3RopeScaling:
+    """`rope_type: llama3` (Llama 3.1 - 3.3): rotations of wavelength over original_max_position_embeddings /
+    low_freq_factor slowed by `factor`, those under original_max_position_embeddings / high_freq_factor kept, the
+    ones between interpolated. The fields are config.json's keys, and the arguments of megatron-core's
+    RotaryEmbedding._apply_scaling (policy/model.py)."""
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
 
 
 @dataclass(frozen=True)
@@ -43,6 +58,7 @@ class ModelSpec:
     qkv_bias: bool
     qk_layernorm: bool
     tie_word_embeddings: bool
+    rope_scaling: Llama3RopeScaling | None = None  # None: the unscaled rotary embedding
     # Mixture of experts (0 experts: a dense model). moe_layers[i]: whether layer i's MLP is the experts' (the
     # others are dense MLPs of ffn_hidden_size).
     num_experts: int = 0
@@ -59,15 +75,23 @@ class ModelSpec:
         return self.num_experts > 0
 
 
-def _rope_theta(cfg: dict) -> float:
-    params = cfg.get("rope_parameters") or {}
-    scaling = cfg.get("rope_scaling")
-    rope_type = params.get("rope_type", (scaling or {}).get("rope_type", (scaling or {}).get("type", "default")))
-    if rope_type not in (None, "default"):
-        raise ConfigError(f"rope_scaling: rope type {rope_type!r} is not supported yet; only the default rotary "
-                          "embedding is")
-    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
-    return float(theta)
+def _rope(cfg: dict) -> tuple[float, Llama3RopeScaling | None]:
+    """The rotary base and scaling as transformers 5 reads them: a non-empty rope_scaling (the name Llama 3's
+    published configs use) whole in place of rope_parameters, rope_theta from that dict or else the top level."""
+    key = "rope_scaling" if cfg.get("rope_scaling") else "rope_parameters"
+    params = cfg.get(key) or {}
+    rope_type = params.get("rope_type") or params.get("type") or "default"
+    if rope_type not in ROPE_TYPES:
+        raise ConfigError(f"{key}.rope_type: {rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
+    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    if rope_type == "default":
+        return theta, None
+    missing = [k for k in LLAMA3_ROPE_KEYS if k not in params]
+    if missing:
+        raise ConfigError(f"{key}.{missing[0]}: missing (rope_type llama3 needs {', '.join(LLAMA3_ROPE_KEYS)})")
+    return theta, Llama3RopeScaling(
+        *(float(params[k]) for k in LLAMA3_ROPE_KEYS),
+        int(params.get("original_max_position_embeddings", cfg["max_position_embeddings"])))
 
 
 def model_spec_from_hf(config) -> ModelSpec:
@@ -100,6 +124,7 @@ def model_spec_from_hf(config) -> ModelSpec:
         raise ConfigError(f"num_key_value_heads: {groups} does not divide num_attention_heads {heads}")
     default_bias, qk_norm = SUPPORTED_ARCHITECTURES[arch]
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    rope_theta, rope_scaling = _rope(config)
     return ModelSpec(
         architecture=arch,
         num_layers=config["num_hidden_layers"],
@@ -111,10 +136,11 @@ def model_spec_from_hf(config) -> ModelSpec:
         vocab_size=config["vocab_size"],
         max_position_embeddings=config["max_position_embeddings"],
         rms_norm_eps=float(config["rms_norm_eps"]),
-        rope_theta=_rope_theta(config),
+        rope_theta=rope_theta,
         qkv_bias=bool(config.get("attention_bias", default_bias)),
         qk_layernorm=qk_norm,
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        rope_scaling=rope_scaling,
         **(_moe_fields(config) if arch in MOE_ARCHITECTURES else {}),
     )
 

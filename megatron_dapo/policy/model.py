@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 
@@ -215,6 +217,11 @@ def build_model(spec: ModelSpec, parallel: ParallelConfig, *, pre_process: bool,
         position_embedding_type="rope",
         rotary_base=int(spec.rope_theta),
     )
+    if spec.rope_scaling is not None:
+        # Llama 3's scaling. GPTModel(rope_scaling=True) fixes low / high frequency factors 1 / 4 and an original
+        # length of 8192; the rule it calls (transformers' llama3, ported) takes them as arguments: config.json's.
+        rotary = model.rotary_pos_emb
+        rotary.inv_freq = rotary._apply_scaling(rotary.inv_freq, **dataclasses.asdict(spec.rope_scaling))
     if config.bf16 and not te:
         # The whole model in bf16, as megatron's own training has it (its Float16Module casts the module): the
         # local spec's norms are torch.nn.RMSNorm built without a dtype, fp32 beside bf16 weights, which

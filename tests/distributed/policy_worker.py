@@ -4,6 +4,7 @@ Writes one JSON per rank into the folder given as argv[1]: {case: {max_abs_logp,
 from the ranks that hold results (last pipeline stage).
 """
 
+import dataclasses
 import json
 import os
 import sys
@@ -19,6 +20,9 @@ from megatron_dapo.policy.hf_config import model_spec_from_hf
 from megatron_dapo.policy.model import build_model
 
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
+# kind -> the TP x PP layouts it is checked at: Llama 3.1 / 3.2's rotary scaling whole and at one split each
+KIND_LAYOUTS = {**{kind: LAYOUTS for kind in ("qwen2", "qwen2_tied", "qwen3", "llama")},
+                "llama31": [(1, 1), (2, 2)], "llama32": [(1, 1), (1, 2)]}
 
 
 def logprob_errors(model, spec, runtime, seqs, ref) -> dict | None:
@@ -174,19 +178,22 @@ def main(out_dir: str) -> None:
     world = int(os.environ["WORLD_SIZE"])
     results = {}
     seqs = sequences()
-    for kind in ("qwen2", "qwen2_tied", "qwen3", "llama"):
+    for kind, layouts in KIND_LAYOUTS.items():
         hf, cfg = hf_model(kind)
         ref = hf_response_logprobs(hf, seqs)
         spec = model_spec_from_hf(cfg)
         state = hf.state_dict()
-        for tp, pp in LAYOUTS:
+        cases = [(f"{kind}-tp{tp}-pp{pp}", spec, tp, pp) for tp, pp in layouts]
+        if kind in ("llama31", "llama32"):  # the same weights without the rotary scaling: must not match
+            cases.append((f"unscaled-{kind}-tp1-pp1", dataclasses.replace(spec, rope_scaling=None), 1, 1))
+        for case, case_spec, tp, pp in cases:
             if world % (tp * pp):
                 continue
-            model, runtime = build_loaded(spec, ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp, device="cpu"),
-                                          state.__getitem__)
-            errors = logprob_errors(model, spec, runtime, seqs, ref)
+            model, runtime = build_loaded(case_spec, ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp,
+                                                                    device="cpu"), state.__getitem__)
+            errors = logprob_errors(model, case_spec, runtime, seqs, ref)
             if errors is not None:
-                results[f"{kind}-tp{tp}-pp{pp}"] = errors
+                results[case] = errors
             reset_parallel_layout()
     results.update(vocab_parallel_gradient_case(world))
     results.update(folder_round_trip_cases(out_dir, seqs))

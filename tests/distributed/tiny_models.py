@@ -21,6 +21,13 @@ TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_atten
             vocab_size=VOCAB, max_position_embeddings=96, rms_norm_eps=1e-5)
 
 
+# Llama 3.1 and 3.2's rotary scaling (`rope_type: llama3`, low / high frequency factors 1 / 4) with the original
+# length cut from 8192 to 32 and 64, so that it acts within the test sequences (up to 62 tokens): at head_dim 16 the
+# rotations of wavelength between original / 4 and original are interpolated, the longer ones divided by factor.
+LLAMA3_ROPE = dict(rope_type="llama3", low_freq_factor=1.0, high_freq_factor=4.0)
+LLAMA31_ROPE = dict(LLAMA3_ROPE, rope_theta=50000.0, factor=8.0, original_max_position_embeddings=32)
+LLAMA32_ROPE = dict(LLAMA3_ROPE, rope_theta=500000.0, factor=32.0, original_max_position_embeddings=64)
+
 TINY_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
                 mlp_only_layers=[1], router_aux_loss_coef=0.001)
 
@@ -38,6 +45,13 @@ def hf_model(kind: str, seed: int = 0):
         model = Qwen3ForCausalLM(cfg)
     elif kind == "llama":
         cfg = LlamaConfig(**TINY, rope_theta=50000.0, architectures=["LlamaForCausalLM"])
+        model = LlamaForCausalLM(cfg)
+    elif kind == "llama31":
+        cfg = LlamaConfig(**TINY, rope_parameters=dict(LLAMA31_ROPE), architectures=["LlamaForCausalLM"])
+        model = LlamaForCausalLM(cfg)
+    elif kind == "llama32":  # Llama 3.2 ties its embeddings
+        cfg = LlamaConfig(**TINY, rope_parameters=dict(LLAMA32_ROPE), tie_word_embeddings=True,
+                          architectures=["LlamaForCausalLM"])
         model = LlamaForCausalLM(cfg)
     elif kind == "qwen3_moe":  # 4 experts, top 2, a dense layer among the sparse ones (mlp_only_layers)
         cfg = Qwen3MoeConfig(**TINY, **TINY_MOE, head_dim=24, architectures=["Qwen3MoeForCausalLM"])
