@@ -200,3 +200,26 @@ def test_the_steps_metrics_carry_the_load_balancing_loss_when_there_is_one():
     assert train_metrics([update(1.2), update(1.4)], None, None, loss)["moe/load_balancing_loss"] == \
         pytest.approx(1.3)
     assert "moe/load_balancing_loss" not in train_metrics([update(None)], None, None, loss)
+
+
+def test_sglang_is_refused_a_mixture_of_experts_with_dense_layers_it_would_serve_as_sparse(tmp_path):
+    """SGLang 0.5.23 gives every Qwen3-MoE layer experts: preflight (which `train` runs before anything starts)
+    refuses a model with dense layers for SGLang, naming them, and passes one with experts everywhere."""
+    import json
+
+    from megatron_dapo.preflight import preflight
+    from megatron_dapo.run_config import config_from_dict
+
+    def preflight_with(model_config: dict, engine: str):
+        (tmp_path / "config.json").write_text(json.dumps(model_config))
+        cfg = config_from_dict({"model": {"path": str(tmp_path)},
+                                "rollout": {"engine": engine, "server_device": "cpu"},
+                                "data": {"train_path": "d.jsonl", "max_prompt_len": 32},
+                                "algorithm": {"max_response_len": 64, "overlong_cache_len": 16},
+                                "parallel": {"device": "cpu"}})
+        return preflight(cfg)
+
+    with pytest.raises(ConfigError, match=r"model.path: layers \[0, 2\] of this Qwen3MoeForCausalLM are dense"):
+        preflight_with({**QWEN3_MOE, "decoder_sparse_step": 2}, "sglang")
+    preflight_with(QWEN3_MOE, "sglang").raise_first_failure()
+    preflight_with({**QWEN3_MOE, "decoder_sparse_step": 2}, "local").raise_first_failure()

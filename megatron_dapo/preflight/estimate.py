@@ -77,7 +77,7 @@ from megatron_dapo.parallel.runtime import builds_for_gpu
 from megatron_dapo.policy.hf_config import ModelSpec, model_spec_from_hf
 from megatron_dapo.policy.logprobs import CHUNK_ELEMENTS
 from megatron_dapo.policy.model import check_divisibility, padded_vocab_size
-from megatron_dapo.rollout.from_config import server_config
+from megatron_dapo.rollout.from_config import check_served_as_trained, server_config
 from megatron_dapo.run_config import DapoConfig
 from megatron_dapo.samples import route_dtype
 
@@ -333,6 +333,7 @@ def mem_fraction_static(extra_args: list[str]) -> float:
 def server_estimate(cfg: DapoConfig, spec: ModelSpec, layout: Layout, hw: Hardware) -> ServerEstimate:
     """Raises ConfigError when the server cannot run one full-length sequence."""
     r = cfg.rollout
+    check_served_as_trained(spec)
     server = server_config(cfg)  # what the run starts: dtype, CPU token budget, extra args
     tp, on_cpu = server.tensor_parallel, server.device == "cpu"
     if spec.num_attention_heads % tp:

@@ -46,6 +46,17 @@ def sglang_engine(cfg: DapoConfig, log_dir, *,
                                **kwargs)
 
 
+def check_served_as_trained(spec) -> None:
+    """SGLang 0.5.23 builds every Qwen3-MoE layer with experts (its stage_facts ignores mlp_only_layers and
+    decoder_sparse_step): a dense layer's MLP would not load, and the server would sample from another model."""
+    dense = [i for i, sparse in enumerate(spec.moe_layers) if not sparse]
+    if spec.is_moe and dense:
+        raise ConfigError(f"model.path: layers {dense} of this {spec.architecture} are dense (mlp_only_layers / "
+                          "decoder_sparse_step), and SGLang serves every Qwen3-MoE layer with experts, so it would "
+                          "sample from a different model: use a model with experts in every layer (as Qwen3-30B-A3B "
+                          "and Qwen3-235B-A22B have), or rollout.engine: local")
+
+
 def route_layout(cfg: DapoConfig) -> RouteLayout | None:
     """With rollout.routing_replay, the layout of the routes to ask the servers for (the model's config.json)."""
     if not cfg.rollout.routing_replay:

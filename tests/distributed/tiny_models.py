@@ -56,6 +56,10 @@ def hf_model(kind: str, seed: int = 0):
     elif kind == "qwen3_moe":  # 4 experts, top 2, a dense layer among the sparse ones (mlp_only_layers)
         cfg = Qwen3MoeConfig(**TINY, **TINY_MOE, head_dim=24, architectures=["Qwen3MoeForCausalLM"])
         model = Qwen3MoeForCausalLM(cfg)
+    elif kind == "qwen3_moe_sparse":  # experts in every layer, as Qwen3-30B-A3B and 235B-A22B have (and SGLang serves)
+        cfg = Qwen3MoeConfig(**TINY, **{**TINY_MOE, "mlp_only_layers": []}, head_dim=24,
+                             architectures=["Qwen3MoeForCausalLM"])
+        model = Qwen3MoeForCausalLM(cfg)
     else:
         raise ValueError(kind)
     model = model.float().eval()

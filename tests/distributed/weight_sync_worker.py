@@ -2,7 +2,8 @@
 SGLang server is put back to the original weights and synced through that route; new samples from the
 server are checked against the updated policy's log-probs.
 
-argv: OUT_JSON MODEL_DIR SERVER_URL WORK_DIR TP PP ROUTES (comma-separated) BUCKET_MB
+argv: OUT_JSON MODEL_DIR SERVER_URL WORK_DIR TP PP ROUTES (comma-separated) BUCKET_MB [EP]
+(EP > 1: a mixture of experts' experts over the data-parallel ranks.)
 """
 
 import json
@@ -62,10 +63,11 @@ def versions(samples):
     return sorted({v for *_, v in samples})
 
 
-def main(out_json, model_dir, url, work_dir, tp, pp, routes, bucket_mb):
+def main(out_json, model_dir, url, work_dir, tp, pp, routes, bucket_mb, ep="1"):
     from megatron.core import parallel_state
 
-    parallel = ParallelConfig(tensor_parallel=int(tp), pipeline_parallel=int(pp), device="cpu", seed=3)
+    parallel = ParallelConfig(tensor_parallel=int(tp), pipeline_parallel=int(pp), expert_parallel=int(ep),
+                              device="cpu", seed=3)
     runtime = init_runtime(parallel)
     ckpt = HFCheckpoint(model_dir)
     spec = model_spec_from_hf(ckpt.config)

@@ -1,0 +1,54 @@
+"""A trainer run with a mixture of experts learns: the demo's tiny Qwen3-MoE (8 experts, top 2, every layer), warm
+started as `megatron-dapo demo --moe` does it, then DAPO through the real loop (the in-process engine recording its
+routes, math-verify, dynamic sampling, the trainer's routers replaying the routes, the fused loss) in one process.
+Half the demo's steps and held-out prompts: the held-out accuracy and the sampled reward rise."""
+
+import json
+
+import pytest
+import yaml
+
+from megatron_dapo.parallel.runtime import free_port
+
+pytestmark = pytest.mark.slow
+STEPS, EVAL_PROMPTS = 20, 128
+
+
+@pytest.fixture(scope="module")
+def warm_moe(tmp_path_factory):
+    from megatron_dapo.demo import WARM_START, prepare_task
+    from megatron_dapo.demo.warm_start import supervised_warm_start
+
+    out = tmp_path_factory.mktemp("demo-moe")
+    supervised_warm_start(out / "base", out / "warm", prepare_task(out, seed=0, moe=True), seed=0, **WARM_START)
+    assert json.loads((out / "warm" / "config.json").read_text())["architectures"] == ["Qwen3MoeForCausalLM"]
+    return out
+
+
+def test_a_moe_policy_with_routing_replay_learns(warm_moe, tmp_path, monkeypatch):
+    from megatron_dapo.demo import dapo_config
+    from megatron_dapo.run_config import load_config
+    from megatron_dapo.trainer import DapoTrainer
+
+    cfg = dapo_config(warm_moe, warm_moe / "warm", tmp_path / "run", seed=0, moe=True)
+    assert cfg["rollout"]["routing_replay"] and cfg["model"]["moe_aux_loss_coef"] == 0.0
+    cfg["train"] = {**cfg["train"], "steps": STEPS, "tensorboard": False}
+    cfg["eval"] = {**cfg["eval"], "every": 0, "max_prompts": EVAL_PROMPTS}
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    trainer = DapoTrainer(load_config(path))
+    try:
+        before = trainer.evaluate()["eval/avg@4"]
+        trainer.train()
+        after = trainer.evaluate()["eval/avg@4"]
+    finally:
+        trainer.close()
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    accuracy = [r["accuracy"] for r in rows]
+    print(f"MoE + routing replay: held-out avg@4 {before:.3f} -> {after:.3f} in {len(rows)} steps; "
+          f"sampled accuracy {[round(a, 2) for a in accuracy]}")
+    assert len(rows) == STEPS and all(r["groups_kept"] >= 1 for r in rows)
+    assert after >= before + 0.05  # measured: +0.14 in 20 steps (the demo's 40: +0.23 to +0.28)
+    assert sum(accuracy[-5:]) / 5 > sum(accuracy[:5]) / 5 + 0.03

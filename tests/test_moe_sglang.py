@@ -1,0 +1,80 @@
+"""A mixture of experts with a real SGLang server on the CPU (tiny Qwen3-MoE with experts in every layer, as SGLang
+builds it; fp32; started with --enable-return-routed-experts, which runs on the CPU through cpu_shim's plugin): the routes it returns are its routers' choices, read into the trainer's layout; and
+a policy whose experts are spread over two expert-parallel ranks trains a step and syncs into it through every
+route, after which the server samples from the new weights."""
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torchrun_launch import torchrun
+
+sys.path.insert(0, str(Path(__file__).parent / "distributed"))
+from tiny_models import save_with_tokenizer  # noqa: E402
+
+from megatron_dapo.checkpoint.safetensors_io import HFCheckpoint  # noqa: E402
+from megatron_dapo.policy.hf_config import model_spec_from_hf  # noqa: E402
+from megatron_dapo.rollout.engine import SamplingParams  # noqa: E402
+from megatron_dapo.rollout.routes import RouteLayout  # noqa: E402
+from megatron_dapo.rollout.sglang_engine import SGLangEngine  # noqa: E402
+from megatron_dapo.rollout.sglang_server import SGLangServer, SGLangServerConfig  # noqa: E402
+from megatron_dapo.weight_sync import ROUTES, buckets  # noqa: E402
+
+pytestmark = pytest.mark.slow
+PROMPTS = [[5, 17, 40, 33], [8, 9, 10], [60, 61, 62, 63, 64, 65, 66]]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sglang-moe")
+    save_with_tokenizer(root / "model", kind="qwen3_moe_sparse")
+    config = SGLangServerConfig(str(root / "model"), device="cpu", dtype="float32", max_total_tokens=4096,
+                                startup_timeout_s=600, extra_args=["--enable-return-routed-experts"])
+    with SGLangServer(config, root / "server.log") as srv:
+        yield srv, root
+
+
+def test_the_routes_sglang_returns_are_its_routers_choices_in_the_trainers_layout(server):
+    """Each response's routes, token by token at every layer, are top-k experts of transformers' Qwen3-MoE router
+    for the same sequence: where the k-th and next probabilities differ, exactly those experts; where they tie (fp32
+    softmax saturates on this tiny model's decisive routers, and engines break ties as they like), tied ones."""
+    from transformers import AutoModelForCausalLM
+
+    srv, root = server
+    spec = model_spec_from_hf(HFCheckpoint(root / "model").config)
+    engine = SGLangEngine(srv.url, routes=RouteLayout.of(spec))
+    groups = engine.generate(PROMPTS, 2, SamplingParams(max_new_tokens=10, temperature=1.0))
+    hf = AutoModelForCausalLM.from_pretrained(root / "model", dtype=torch.float32).eval()
+    k, untied = spec.moe_topk, 0
+    for s in (s for g in groups for s in g):
+        ids = PROMPTS[s.prompt_index] + s.output_ids
+        assert s.routes.shape == (len(ids) - 1, spec.num_layers, k) and s.routes.dtype == np.uint8
+        with torch.no_grad():
+            logits = hf(torch.tensor([ids[:-1]]), output_router_logits=True).router_logits
+        probs = torch.stack(logits, dim=1).softmax(-1)  # [positions, layers, experts]
+        routes = torch.from_numpy(s.routes.astype(np.int64))
+        ranked = probs.sort(dim=-1, descending=True).values
+        assert (routes.sort(-1).values.diff(dim=-1) > 0).all()  # k distinct experts
+        assert (probs.gather(-1, routes) >= ranked[..., k - 1:k]).all(), s.prompt_index
+        untied += (ranked[..., k - 1] > ranked[..., k]).sum().item()
+    assert untied > 0.5 * sum(len(s.routes) for g in groups for s in g) * spec.num_layers
+
+
+def test_an_expert_parallel_policy_syncs_into_the_server_through_every_route(server, tmp_path):
+    """EP = 2 over 2 data-parallel ranks, each with half the experts: after a step, for each route the server is
+    put back to the original weights, synced, and samples from the new policy (its log-probs the policy's)."""
+    srv, root = server
+    torchrun("weight_sync_worker.py", 2, str(tmp_path / "out.json"), str(root / "model"), srv.url, str(tmp_path),
+             "1", "1", ",".join(ROUTES), "0.05", "2")
+    r = json.loads((tmp_path / "out.json").read_text())
+    assert r["before"] < 1e-4 and r["stale"] > 1e-3, r
+    spec = model_spec_from_hf(HFCheckpoint(root / "model").config)
+    for route in ROUTES:
+        s = r["routes"][route]
+        assert s["reset"] > 1e-3 and s["versions_reset"] == ["0"], (route, s)
+        assert s["after"] < 1e-4 and s["versions_after"] == ["1"] and s["samples_after"] == 16, (route, s)
+        if route != "disk":  # every expert's tensors sent exactly once, whichever rank holds them
+            assert s["bytes"] == buckets.model_bytes(spec, torch.float32), (route, s)
