@@ -185,7 +185,11 @@ def default_training_dtype(gpu: bool) -> str:
 @dataclass(frozen=True)
 class ModelConfig:
     path: str = ""  # Hugging Face folder: config.json, weights, tokenizer
+    # Tokens per micro-batch: packed, the real tokens of its sequences; padded, rows x the longest row.
     max_tokens_per_micro_batch: int = 8192
+    # true: each micro-batch holds whole sequences end to end, attending within each (no padding computed);
+    # false: right-padded [rows, length] blocks of similar lengths (policy/batch.py).
+    packing: bool = False
     # "full": each transformer layer of the trained policy keeps only its input for the backward and recomputes
     # its other activations there (megatron-core's full recompute, one layer at a time): it trades about a third
     # more compute per training step for a fraction of the activation memory. "none": keep all activations.
@@ -207,6 +211,7 @@ class ModelConfig:
         _require(bool(self.path), "model.path", "must name a Hugging Face model folder (config.json + weights + "
                  "tokenizer); convert other checkpoints with `megatron-dapo convert`")
         _whole(self.max_tokens_per_micro_batch, "model.max_tokens_per_micro_batch", 1)
+        _require(isinstance(self.packing, bool), "model.packing", f"must be true or false, got {self.packing!r}")
         _require(self.activation_recompute in ACTIVATION_RECOMPUTE, "model.activation_recompute",
                  f"must be 'none' or 'full', got {self.activation_recompute!r}")
         _require(self.dtype in TRAINING_DTYPES, "model.dtype",

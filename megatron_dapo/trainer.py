@@ -81,7 +81,7 @@ class DapoTrainer:
                 policy.module.eval(), policy.reference, share, spec=policy.spec,
                 max_tokens_per_micro_batch=self.cfg.model.max_tokens_per_micro_batch, device=self.runtime.device,
                 tis_cap=loss.tis_cap, tis_mode=loss.tis_mode, temperature=self.cfg.rollout.temperature,
-                old_logprobs=loss.old_logprobs)
+                old_logprobs=loss.old_logprobs, packed=self.cfg.model.packing)
             policy.module.train()
         with timer("train"):
             policy.trainer.begin_rollout_step(self.step_index)  # the LR warmup counts rollout steps

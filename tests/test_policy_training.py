@@ -14,14 +14,16 @@ BASE = "tp1-pp1-dp1-mb100000"  # DP=1, one micro-batch
 SPLITS = ["tp1-pp1-dp2-mb62", "tp2-pp1-dp1-mb200", "tp1-pp2-dp1-mb200"]
 RECOMPUTE = ["tp2-pp1-dp1-mb200-r", "tp1-pp2-dp1-mb200-r"]  # model.activation_recompute: full
 SAMPLE_BASE, SAMPLE_SPLIT = "tp1-pp1-dp1-mb100000-s", "tp1-pp1-dp2-mb62-s"  # loss.aggregation: sample
+# model.packing: whole sequences end to end (p), against the padded BASE; with SP at TP2 (sp)
+PACKED = ["tp1-pp1-dp1-mb100000-p", "tp1-pp1-dp2-mb62-p", "tp2-pp1-dp1-mb200-p-sp", "tp1-pp2-dp1-mb200-r-p"]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("train")
-    torchrun("train_worker.py", 1, str(out), "1,1,100000", "1,1,100000,s", "tis", "bf16")
+    torchrun("train_worker.py", 1, str(out), "1,1,100000", "1,1,100000,s", "1,1,100000,p", "tis", "bf16")
     torchrun("train_worker.py", 2, str(out), "1,1,62", "1,1,62,s", "2,1,200", "1,2,200", "2,1,200,r", "1,2,200,r",
-             "adam", "nan")
+             "1,1,62,p", "2,1,200,p,sp", "1,2,200,r,p", "adam", "nan")
 
     def load(tag):
         deltas = {}
@@ -29,7 +31,7 @@ def runs(tmp_path_factory):
             deltas.update(torch.load(f))
         return json.loads((out / f"{tag}.json").read_text()), deltas
 
-    return {**{tag: load(tag) for tag in [BASE, *SPLITS, *RECOMPUTE, SAMPLE_BASE, SAMPLE_SPLIT, "adam"]},
+    return {**{tag: load(tag) for tag in [BASE, *SPLITS, *RECOMPUTE, *PACKED, SAMPLE_BASE, SAMPLE_SPLIT, "adam"]},
             **{k: json.loads((out / f"{k}.json").read_text()) for k in ("tis", "nan", "bf16")}}
 
 
@@ -60,7 +62,13 @@ def test_data_parallel_layout_splits_into_many_micro_batches(runs):
     assert runs["tp1-pp1-dp2-mb62"][0]["micro_batches_per_rank"] == [2, 4]
 
 
-@pytest.mark.parametrize("split", SPLITS + RECOMPUTE)
+def test_packed_micro_batches_hold_the_real_tokens_of_whole_sequences(runs):
+    """At 62 tokens a micro-batch, rank 0's 25 + 20 + 15 tokens share one where padded blocks (rows x the longest)
+    need two: 2 and 3 micro-batches against 2 and 4."""
+    assert runs["tp1-pp1-dp2-mb62-p"][0]["micro_batches_per_rank"] == [2, 3]
+
+
+@pytest.mark.parametrize("split", SPLITS + RECOMPUTE + PACKED)
 def test_one_step_is_the_same_whatever_the_split(runs, split):
     base_meta, base = runs[BASE]
     meta, other = runs[split]

@@ -73,7 +73,7 @@ def test_what_it_cannot_match_is_refused(runtime):
     q, k, v, _ = (t.to(runtime.device) for t in random_qkv(3, 5))
     with pytest.raises(ValueError, match="causal attention needs as many queries as keys or a single query"):
         sdpa(q, k, v, None)
-    with pytest.raises(ValueError, match="packed sequences"):
+    with pytest.raises(ValueError, match="does not support qkv_format=None"):  # packs: thd (tests/test_packing.py)
         sdpa(q, k, v, None, packed_seq_params=PackedSeqParams())
     with pytest.raises(ValueError, match="attention dropout 0.1"):
         SdpaAttention(attention_config(1, attention_dropout=0.1), 1, AttnMaskType.causal, "self")

@@ -73,7 +73,7 @@ def build_policy(cfg: DapoConfig, runtime: Runtime, hf: HFCheckpoint, spec: Mode
                             cfg.model.max_tokens_per_micro_batch, activation_recompute=cfg.model.activation_recompute,
                             updates_per_step=cfg.train.updates_per_step, temperature=cfg.rollout.temperature,
                             params_dtype=dtype, moe_aux_loss_coef=cfg.model.moe_aux_loss_coef,
-                            routing_replay=cfg.rollout.routing_replay)
+                            routing_replay=cfg.rollout.routing_replay, packed=cfg.model.packing)
     load_policy_weights(trainer, hf.get)
     reference = None
     if cfg.loss.kl_coef > 0:

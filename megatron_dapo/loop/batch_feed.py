@@ -11,7 +11,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from megatron_dapo.parallel.rank_shares import PackedShare, deal_by_tokens
+from megatron_dapo.parallel.rank_shares import PackedShare, deal_by_tokens, tokens_max_over_mean
 from megatron_dapo.parallel.runtime import DriverSignal
 from megatron_dapo.parallel.share_scatter import ShareScatter
 from megatron_dapo.service.rollout_service import RESYNC, ReadyBatch
@@ -51,7 +51,8 @@ class BatchFeed:
             raise RuntimeError(f"the rollout service handed the batch of step {batch.step + 1} to step {step + 1}")
         self.batch_prompts = batch.prompts
         shares = deal_by_tokens(batch.items, self.dp_size, self.updates_per_step)
-        metrics = {**batch.metrics, "rollout_buffer": float(self.queued)}
+        metrics = {**batch.metrics, "rollout_buffer": float(self.queued),
+                   "balance/tokens_max_over_mean": tokens_max_over_mean(shares)}
         return self.scatter.send([PackedShare.pack(share) for share in shares]), metrics
 
     def sample_ahead(self, step: int, through: int) -> None:

@@ -87,7 +87,8 @@ def build_parts(cfg: DapoConfig) -> TrainerParts:
         publisher.publish()  # the servers start from the initial weights
     if sglang and cfg.rollout.server_urls:
         check_servers(cfg.rollout.server_urls, policy.module, spec, temperature=cfg.rollout.temperature,
-                      max_tokens_per_micro_batch=cfg.model.max_tokens_per_micro_batch, device=runtime.device)
+                      max_tokens_per_micro_batch=cfg.model.max_tokens_per_micro_batch, device=runtime.device,
+                      packed=cfg.model.packing)
     writer_helper.join()
     return TrainerParts(runtime, heartbeat, policy, feed, publisher, schedule, metrics, progress, checkpoint_root)
 

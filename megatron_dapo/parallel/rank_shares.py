@@ -1,16 +1,21 @@
 """How the kept batch is dealt out to data-parallel ranks, and the packed form a rank's share travels in.
 
 The batch (responses in draw order) is cut into the step's updates as contiguous runs, the same runs whatever
-the data-parallel size; inside each run, every response goes to the rank with the fewest tokens so far (longest
-first), so that ranks finish their forward and backward together however long the responses are. Every rank
-gets at least one response per update. A rank's share travels as a few flat host tensors (PackedShare), not as
-Python lists: at the paper's scale a batch holds ~40M tokens.
+the data-parallel size (so each update's groups, and its loss normaliser, are too); each run is split over the
+ranks into parts of about equal tokens (Karmarkar-Karp's largest differencing method), so that ranks finish an
+update's forward and backward together however long the responses are. Every rank gets at least one response per
+update. Even in tokens, not in FLOPs (attention's grow with the square of a sequence's length, by a factor of the
+model's): tokens set how many micro-batches of the token budget a rank runs; bench/bench_balance.py measures the
+FLOPs this leaves uneven. A rank's share travels as a few flat host tensors (PackedShare), not as Python lists: at
+the paper's scale a batch holds ~40M tokens.
 """
 
 from __future__ import annotations
 
 import array
 import heapq
+import math
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 import numpy as np
@@ -19,26 +24,70 @@ import torch
 from megatron_dapo.samples import TrainItem
 
 
-def deal_by_tokens(items: list[TrainItem], dp_size: int, updates: int) -> list[list[list[TrainItem]]]:
+def balanced_parts(weights: list[int], parts: int) -> list[list[int]]:
+    """The indices of `weights` split into `parts` lists of about equal sums, the heaviest first, by the largest
+    differencing method (Karmarkar-Karp, multiway): of the partial partitions (one per weight at the start), the
+    two whose heaviest and lightest subsets differ most are merged, the heaviest subset of one with the lightest
+    of the other, until one is left. With at least `parts` weights, no list is empty."""
+    # A partial partition: its non-empty subsets as (sum, count, indices), heaviest first; its other subsets, up
+    # to `parts`, are empty and lighter than any non-empty one (even one of sum 0), so a merge pairs one's empty
+    # subsets with the other's non-empty ones first, and a partition of m weights has min(m, parts) non-empty
+    # subsets. Leaving the empty ones out keeps a merge of small partitions cheap when `parts` is large.
+    partitions = [[(w, 1, [i])] for i, w in enumerate(weights)]
+    heap = [(_spread(p, parts), i, p) for i, p in enumerate(partitions)]
+    heapq.heapify(heap)  # the largest spread first; ties in weight order, so the split is deterministic
+    order = len(weights)
+    while len(heap) > 1:
+        a, b = heapq.heappop(heap)[2], heapq.heappop(heap)[2]
+        cut = parts - len(b)  # a's subsets from the cut on pair with b's non-empty ones, lightest first
+        both = [(x[0] + y[0], x[1] + y[1], _joined(x[2], y[2])) for x, y in zip(a[cut:], reversed(b))]
+        merged = sorted(a[:cut] + both + b[:parts - max(len(a), cut)], key=lambda subset: subset[:2], reverse=True)
+        heapq.heappush(heap, (_spread(merged, parts), order, merged))
+        order += 1
+    subsets = [subset[2] for subset in heap[0][2]] if heap else []
+    return subsets + [[] for _ in range(parts - len(subsets))]
+
+
+def _spread(partition: list[tuple], parts: int) -> int:
+    """The heap's key: minus the heaviest subset's sum less the lightest's (an empty subset's 0), so that the
+    partition that differs most comes first."""
+    return (partition[-1][0] if len(partition) == parts else 0) - partition[0][0]
+
+
+def _joined(a: list[int], b: list[int]) -> list[int]:
+    # The shorter into the longer (each list belongs to one subset): O(n log n) over all merges, not O(n^2).
+    if len(a) < len(b):
+        a, b = b, a
+    a.extend(b)
+    return a
+
+
+def deal_by_tokens(items: list[TrainItem], dp_size: int, updates: int,
+                   split: Callable[[list[int], int], list[list[int]]] = balanced_parts) -> list[list[list[TrainItem]]]:
     """shares[r][j]: the responses data-parallel rank r trains on in update j (min(updates, len / dp_size)
-    updates), each in draw order."""
+    updates), each in draw order. `split`: how an update's token counts are split over the ranks
+    (bench/bench_balance.py gives it the split before balanced_parts)."""
     if len(items) % dp_size:
         raise ValueError(f"{len(items)} responses do not divide across {dp_size} data-parallel ranks")
     per_rank = len(items) // dp_size
     count = min(updates, per_rank)
     bounds = [dp_size * round(j * per_rank / count) for j in range(count + 1)] if count else [0]
     shares: list[list[list[TrainItem]]] = [[] for _ in range(dp_size)]
-    for j in range(count):
-        run = range(bounds[j], bounds[j + 1])
-        loads = [(0, 0, r) for r in range(dp_size)]  # (tokens, responses, rank): the least loaded first
-        dealt: list[list[int]] = [[] for _ in range(dp_size)]
-        for i in sorted(run, key=lambda i: -_tokens(items[i])):
-            tokens, n, r = heapq.heappop(loads)
-            dealt[r].append(i)
-            heapq.heappush(loads, (tokens + _tokens(items[i]), n + 1, r))
-        for r in range(dp_size):
-            shares[r].append([items[i] for i in sorted(dealt[r])])
+    for a, b in zip(bounds, bounds[1:]):
+        for r, part in enumerate(split([_tokens(it) for it in items[a:b]], dp_size)):
+            shares[r].append([items[a + i] for i in sorted(part)])
     return shares
+
+
+def tokens_max_over_mean(shares: list[list[list[TrainItem]]]) -> float:
+    """The metric balance/tokens_max_over_mean of a deal (deal_by_tokens' shares): the tokens of each update's
+    most loaded rank, summed over the step's updates, over the same sum of each update's mean over the ranks.
+    Each update waits for its slowest rank (its gradients are reduced over the ranks), so this is about how much
+    longer the step's updates take than a perfectly even deal's would, where time follows tokens; 1.0 is even.
+    NaN for a step with nothing to train on."""
+    loads = [[sum(map(_tokens, update)) for update in updates] for updates in shares]  # [rank][update]
+    mean = sum(map(sum, loads)) / len(loads)
+    return sum(map(max, zip(*loads))) / mean if mean else math.nan
 
 
 def _tokens(item: TrainItem) -> int:

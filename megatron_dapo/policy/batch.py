@@ -1,9 +1,16 @@
-"""Pack (prompt + response) sequences into micro-batches by a token budget.
+"""Put (prompt + response) sequences into micro-batches by a token budget, packed or padded.
 
-A micro-batch is a right-padded [rows, length] block: with a causal mask, padding after a sequence
-never reaches its tokens, and rotary positions start at 0 in every row. Sequences are sorted by
-length so that rows of similar length share a block and little is padded. With sequence parallelism
-the block's length is padded up to a multiple of the tensor-parallel size, which splits it.
+Packed (model.packing): a micro-batch is one row, the sequences end to end with no padding between them, and
+`cu_seqlens` marks where each starts (megatron-core's `thd` format): attention is causal within each sequence
+only, rotary positions restart at 0 for each, and the budget counts real tokens. Sequences go to micro-batches
+first-fit by decreasing length.
+
+Padded: a micro-batch is a right-padded [rows, length] block: with a causal mask, padding after a sequence never
+reaches its tokens, and rotary positions start at 0 in every row. Sequences are sorted by length so that rows of
+similar length share a block; the budget counts rows x length.
+
+With sequence parallelism a micro-batch's length is padded up to a multiple of the tensor-parallel size, which
+splits it (packed: one tail of padding, a sequence of its own).
 """
 
 from __future__ import annotations
@@ -38,6 +45,9 @@ class MicroBatch:
     # the sequences without them are named here
     routes: torch.Tensor | None = None
     routes_missing: list[int] | None = None
+    # Packed (one row): the offsets where each sequence starts and the row's end, [sequences + 1] (a padding tail,
+    # if any, counts as a sequence); None for a padded block
+    cu_seqlens: list[int] | None = None
 
     @property
     def num_response_tokens(self) -> int:
@@ -67,10 +77,11 @@ def padded_length(length: int, multiple: int) -> int:
 
 
 def plan_micro_batches(lengths: list[int], max_tokens: int, length_multiple: int = 1,
-                       count: int | None = None) -> list[list[int]]:
-    """Group sequence indices so that each block's rows x max length (padded to `length_multiple`) stays within
-    max_tokens. With `count`, at least that many blocks (see at_least)."""
-    groups = _plan(lengths, max_tokens, length_multiple)
+                       count: int | None = None, packed: bool = False) -> list[list[int]]:
+    """Group sequence indices so that each micro-batch's tokens (packed: the sum of the lengths; padded: rows x
+    max length), padded to `length_multiple`, stay within max_tokens. With `count`, at least that many (see
+    at_least)."""
+    groups = (_plan_packed if packed else _plan)(lengths, max_tokens, length_multiple)
     return groups if count is None else at_least(groups, count)
 
 
@@ -96,13 +107,62 @@ def _plan(lengths: list[int], max_tokens: int, length_multiple: int) -> list[lis
     groups: list[list[int]] = []
     for i in order:
         if lengths[i] > max_tokens:
-            raise ValueError(f"sequence {i} has {lengths[i]} tokens, more than max_tokens_per_micro_batch "
-                             f"{max_tokens}; raise the budget")
+            raise _too_long(i, lengths[i], max_tokens)
         if groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] <= max_tokens:
             groups[-1].append(i)
         else:
             groups.append([i])
     return groups
+
+
+def _too_long(i: int, length: int, max_tokens: int) -> ValueError:
+    return ValueError(f"sequence {i} has {length} tokens, more than max_tokens_per_micro_batch {max_tokens}; raise "
+                      "the budget")
+
+
+def _plan_packed(lengths: list[int], max_tokens: int, length_multiple: int) -> list[list[int]]:
+    """First fit by decreasing length; each pack's indices in increasing order."""
+    packs: list[list[int]] = []
+    used: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        if padded_length(lengths[i], length_multiple) > max_tokens:
+            raise _too_long(i, lengths[i], max_tokens)
+        fit = next((p for p, u in enumerate(used) if padded_length(u + lengths[i], length_multiple) <= max_tokens),
+                   None)
+        if fit is None:
+            packs.append([i])
+            used.append(lengths[i])
+        else:
+            packs[fit].append(i)
+            used[fit] += lengths[i]
+    return [sorted(p) for p in packs]
+
+
+def make_packed_micro_batch(sequences: list[Sequence], index: list[int], length_multiple: int = 1) -> MicroBatch:
+    """Sequences `index` end to end in one row (a padding tail up to `length_multiple`); for no sequences, a filler:
+    one sequence of padding, no response position."""
+    rows = [sequences[i] for i in index]
+    starts = [0]
+    for s in rows:
+        starts.append(starts[-1] + s.tokens.numel())
+    total = padded_length(max(starts[-1], 1), length_multiple)
+    cu = starts + [total] if total > starts[-1] else starts
+    input_ids = torch.zeros(total, dtype=torch.long)
+    targets = torch.zeros(total, dtype=torch.long)
+    positions = []
+    for s, a in zip(rows, starts):
+        n = s.tokens.numel()
+        input_ids[a:a + n] = s.tokens
+        targets[a:a + n - 1] = s.tokens[1:]  # each sequence's last position predicts nothing of it
+        positions.append(torch.arange(a + s.prompt_len - 1, a + n - 1))
+    missing = [i for i, s in zip(index, rows) if s.routes is None]
+    # One row of routes: a sequence whose last token's row was left out gets a filler row there (experts 0..k-1:
+    # what that position computes reaches no loss, and no later sequence: attention stays within each)
+    routes = _routes([torch.cat([_routes([s.routes], s.tokens.numel())[0] for s in rows])], total) \
+        if rows and not missing else None
+    return MicroBatch(input_ids.unsqueeze(0), targets,
+                      torch.cat(positions) if positions else torch.zeros(0, dtype=torch.long), list(index),
+                      [s.response_len for s in rows], routes, missing, cu)
 
 
 def make_micro_batch(sequences: list[Sequence], index: list[int], length_multiple: int = 1) -> MicroBatch:
@@ -139,11 +199,12 @@ def _routes(per_row: list[torch.Tensor], length: int) -> torch.Tensor:
 
 
 def micro_batches(sequences: list[Sequence], max_tokens: int, length_multiple: int = 1,
-                  count: int | None = None) -> list[MicroBatch]:
-    """`length_multiple`: what each block's length must divide by (sequence_multiple of the model); `count`: the
-    fewest blocks (at_least)."""
-    plan = plan_micro_batches([s.tokens.numel() for s in sequences], max_tokens, length_multiple, count)
-    return [make_micro_batch(sequences, idx, length_multiple) for idx in plan]
+                  count: int | None = None, packed: bool = False) -> list[MicroBatch]:
+    """`length_multiple`: what each micro-batch's length must divide by (sequence_multiple of the model); `count`:
+    the fewest micro-batches (at_least); `packed`: one row each (make_packed_micro_batch), else padded blocks."""
+    plan = plan_micro_batches([s.tokens.numel() for s in sequences], max_tokens, length_multiple, count, packed)
+    make = make_packed_micro_batch if packed else make_micro_batch
+    return [make(sequences, idx, length_multiple) for idx in plan]
 
 
 def sequence_multiple(config) -> int:

@@ -22,6 +22,7 @@ from megatron_dapo.policy.batch import (
     sequence_multiple,
 )
 from megatron_dapo.policy.logprobs import vocab_parallel_logprobs
+from megatron_dapo.policy.output_positions import logits_at
 
 
 def tp_vocab_slice(logits_cols: int) -> tuple[int, object]:
@@ -34,30 +35,30 @@ def tp_vocab_slice(logits_cols: int) -> tuple[int, object]:
 def micro_batch_logprobs(logits: torch.Tensor, mb: MicroBatch, vocab_size: int, *, inplace_backward: bool,
                          temperature: float = 1.0):
     """Response-token log-probs and entropy of softmax(logits / temperature) for one micro-batch, from the model's
-    [rows, length, V/TP] logits."""
-    flat = logits.reshape(-1, logits.shape[-1])
+    logits at its response positions (model_forward: [1, rows computed, V/TP], the first the positions')."""
+    n = mb.num_response_tokens
+    flat = logits.reshape(-1, logits.shape[-1])[:n]
     vocab_start, group = tp_vocab_slice(flat.shape[-1])
-    logp, entropy = vocab_parallel_logprobs(flat, mb.targets.to(flat.device), vocab_start=vocab_start,
-                                            vocab_size=vocab_size, group=group, inplace_backward=inplace_backward,
-                                            temperature=temperature)
-    pos = mb.response_positions.to(flat.device)
-    return logp[pos], entropy[pos]
+    targets = mb.targets[mb.response_positions].to(flat.device)
+    return vocab_parallel_logprobs(flat, targets, vocab_start=vocab_start, vocab_size=vocab_size, group=group,
+                                   inplace_backward=inplace_backward, temperature=temperature)
 
 
-def model_micro_batches(config, sequences: list[Sequence], max_tokens: int, device: torch.device) -> list[MicroBatch]:
-    """This rank's sequences in micro-batches for a model of megatron-core TransformerConfig `config`: blocks as
-    long as sequence parallelism needs, and with expert parallelism as many on every data-parallel rank as the
-    rank of most (collective over the data-parallel group then)."""
+def model_micro_batches(config, sequences: list[Sequence], max_tokens: int, device: torch.device,
+                        packed: bool = False) -> list[MicroBatch]:
+    """This rank's sequences in micro-batches (packed or padded, policy/batch.py) for a model of megatron-core
+    TransformerConfig `config`: as long as sequence parallelism needs, and with expert parallelism as many on every
+    data-parallel rank as the rank of most (collective over the data-parallel group then)."""
     multiple = sequence_multiple(config)
     count = None
     if config.expert_model_parallel_size > 1:
         from megatron.core import parallel_state
 
-        mine = len(plan_micro_batches([s.tokens.numel() for s in sequences], max_tokens, multiple))
+        mine = len(plan_micro_batches([s.tokens.numel() for s in sequences], max_tokens, multiple, packed=packed))
         agreed = torch.tensor([mine], device=device)
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=parallel_state.get_data_parallel_group())
         count = int(agreed.item())
-    return micro_batches(sequences, max_tokens, multiple, count)
+    return micro_batches(sequences, max_tokens, multiple, count, packed)
 
 
 def route_replayer(model):
@@ -73,9 +74,19 @@ def route_replayer(model):
 
 
 def model_forward(model, mb: MicroBatch, device: torch.device):
+    """The model's logits at `mb`'s response positions only (policy/output_positions.py); on the last stage
+    [1, rows computed, V/TP], elsewhere the stage's hidden states."""
     ids = mb.input_ids.to(device)
-    position_ids = torch.arange(ids.shape[1], device=device).expand_as(ids)
-    return model(ids, position_ids, None)
+    with logits_at(model, mb.response_positions.to(device)):
+        if mb.cu_seqlens is None:
+            position_ids = torch.arange(ids.shape[1], device=device).expand_as(ids)
+            return model(ids, position_ids, None)
+        from megatron_dapo.policy.sdpa_attention import PackedSequences
+
+        # Positions restart with each sequence (the rotary embedding takes them from cu_seqlens).
+        cu = mb.cu_seqlens
+        position_ids = torch.cat([torch.arange(b - a, device=device) for a, b in zip(cu[:-1], cu[1:])])[None]
+        return model(ids, position_ids, None, packed_seq_params=PackedSequences.of(cu, device))
 
 
 def is_last_stage() -> bool:
@@ -86,13 +97,14 @@ def is_last_stage() -> bool:
 
 @torch.no_grad()
 def response_logprobs(model, sequences: list[Sequence], *, vocab_size: int, max_positions: int,
-                      max_tokens_per_micro_batch: int, device: torch.device, temperature: float = 1.0):
+                      max_tokens_per_micro_batch: int, device: torch.device, temperature: float = 1.0,
+                      packed: bool = False):
     """Per sequence: (log-probs, entropies) of its response tokens under softmax(logits / temperature), fp32, on
-    the last stage; else None."""
+    the last stage; else None. `packed`: model.packing (policy/batch.py)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     check_sequences(sequences, max_positions)
-    mbs = model_micro_batches(model.config, sequences, max_tokens_per_micro_batch, device)
+    mbs = model_micro_batches(model.config, sequences, max_tokens_per_micro_batch, device, packed)
 
     def loss_func(mb, logits):
         logp, entropy = micro_batch_logprobs(logits, mb, vocab_size, inplace_backward=False, temperature=temperature)
@@ -135,7 +147,7 @@ def to_every_stage(values: torch.Tensor | None, numel: int, device: torch.device
 
 
 def logprob_recomputer(model, *, vocab_size: int, max_positions: int, max_tokens_per_micro_batch: int,
-                       device: torch.device):
+                       device: torch.device, packed: bool = False):
     """`recompute(responses, temperature)`: for (prompt_ids, output_ids) pairs, each response's token log-probs
     under softmax(logits / temperature) as a list of floats, on every pipeline stage. Collective: every rank of
     the model calls it with the same responses. The model runs in eval mode and is left in its own mode."""
@@ -148,7 +160,7 @@ def logprob_recomputer(model, *, vocab_size: int, max_positions: int, max_tokens
         try:
             out = response_logprobs(model, seqs, vocab_size=vocab_size, max_positions=max_positions,
                                     max_tokens_per_micro_batch=max_tokens_per_micro_batch, device=device,
-                                    temperature=temperature)
+                                    temperature=temperature, packed=packed)
         finally:
             model.train(was_training)
         flat = to_every_stage(torch.cat([o[0] for o in out]) if out is not None else None, sum(lengths), device)

@@ -33,14 +33,14 @@ def _flat_logprobs(model, seqs: list[Sequence], numel: int, device: torch.device
 
 def training_samples(model, reference, share: PackedShare, *, spec, max_tokens_per_micro_batch: int,
                      device: torch.device, tis_cap: float | None, tis_mode: str = "truncate",
-                     temperature: float = 1.0, old_logprobs: str = "recompute"
+                     temperature: float = 1.0, old_logprobs: str = "recompute", packed: bool = False
                      ) -> tuple[list[RolloutSample], torch.Tensor, torch.Tensor]:
     """RolloutSamples for `share` (this rank's responses), on `device`; and this rank's mismatch sums
     (MISMATCH_KEYS) and largest |log pi_old - log pi_rollout| over its loss tokens (zeros on all but one
     rank per data-parallel replica, so that world-wide sums count every response once; with `old_logprobs`
     "rollout" only the loss tokens and the KL reference's sum are not zeros). `temperature`:
     rollout.temperature, at which the old (and reference) log-probs and entropies are computed. `old_logprobs`:
-    loss.old_logprobs."""
+    loss.old_logprobs. `packed`: model.packing."""
     from megatron.core import parallel_state
 
     seqs = [Sequence(tokens.long(), prompt_len, None if routes is None else torch.from_numpy(routes))
@@ -49,7 +49,7 @@ def training_samples(model, reference, share: PackedShare, *, spec, max_tokens_p
     lengths = share.output_lens.tolist()
     numel = sum(lengths)
     kwargs = dict(vocab_size=spec.vocab_size, max_positions=spec.max_position_embeddings,
-                  max_tokens_per_micro_batch=max_tokens_per_micro_batch, temperature=temperature)
+                  max_tokens_per_micro_batch=max_tokens_per_micro_batch, temperature=temperature, packed=packed)
     rollout = share.rollout_logp.to(device)
     if old_logprobs == "rollout":
         old, entropy = rollout, None

@@ -8,14 +8,17 @@ work to `torch.nn.functional.scaled_dot_product_attention`, whose flash / memory
 their KV heads (GQA) without copying the keys and values.
 
 It covers what this project runs: causal self-attention (sq == sk), decoding against megatron's
-static KV cache (sq == 1, no mask), and an explicit boolean mask (True where attention is NOT
-allowed, megatron's convention). Anything else raises instead of computing something different.
+static KV cache (sq == 1, no mask), an explicit boolean mask (True where attention is NOT allowed,
+megatron's convention), and packed sequences (megatron's `thd` format, causal within each sequence).
+Anything else raises instead of computing something different.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -27,6 +30,43 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import is_layer_window_attention
 
 _MASK_TYPES = (AttnMaskType.causal, AttnMaskType.padding, AttnMaskType.no_mask)
+
+
+# Packed sequences attend in buckets of similar length, each bucket one SDPA call over its sequences right-padded
+# to its longest: a bucket's longest is at most this much its shortest, which bounds the attention spent on padding,
+# while a pack of many short sequences takes a few calls instead of one per sequence.
+BUCKET_RATIO = 1.25
+
+
+@dataclass
+class PackedSequences(PackedSeqParams):
+    """megatron-core's `thd` parameters (cu_seqlens on the device, for its rotary embedding and TE's attention), and
+    SdpaAttention's plan for the pack, made once per micro-batch rather than in every layer: `buckets`, per bucket
+    (the rows of the pack its sequences gather, [sequences, longest], past a sequence's end its last row again;
+    which of the gathered rows are real), and `restore`, which puts the buckets' real rows back in pack order."""
+    buckets: tuple = ()
+    restore: Optional[Tensor] = None
+
+    @classmethod
+    def of(cls, cu_seqlens: list[int], device) -> PackedSequences:
+        starts, lengths = cu_seqlens[:-1], [b - a for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:])]
+        groups: list[list[int]] = []
+        for i in sorted(range(len(lengths)), key=lambda i: (lengths[i], i)):
+            if groups and lengths[i] <= BUCKET_RATIO * lengths[groups[-1][0]]:
+                groups[-1].append(i)
+            else:
+                groups.append([i])
+        buckets, order = [], []
+        for group in groups:
+            longest = max(lengths[i] for i in group)
+            span = torch.arange(longest)
+            rows = torch.stack([starts[i] + span.clamp(max=lengths[i] - 1) for i in group])
+            real = torch.cat([span < lengths[i] for i in group])
+            order.append(rows.reshape(-1)[real])
+            buckets.append((rows.to(device), real.nonzero().squeeze(1).to(device)))
+        cu = torch.tensor(cu_seqlens, dtype=torch.int32, device=device)
+        return cls(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(lengths),
+                   max_seqlen_kv=max(lengths), buckets=tuple(buckets), restore=torch.cat(order).argsort().to(device))
 
 
 class SdpaAttention(MegatronModule):
@@ -73,11 +113,10 @@ class SdpaAttention(MegatronModule):
         attention_bias: Optional[Tensor] = None,
         packed_seq_params: Optional[PackedSeqParams] = None,
     ) -> Tensor:
-        if packed_seq_params is not None:
-            raise ValueError("SdpaAttention does not support packed sequences (packed_seq_params); use Transformer "
-                             "Engine, or right-padded micro-batches")
         if attention_bias is not None:
             raise ValueError("SdpaAttention does not support an attention_bias")
+        if packed_seq_params is not None:
+            return self._packed(query, key, value, attention_mask, packed_seq_params)
         sq, sk = query.size(0), key.size(0)
         # The masking follows the local DotProductAttention, which ignores the forward's attn_mask_type
         # and uses the module's own: a mask that is passed replaces the causal one; without one, causal
@@ -98,3 +137,29 @@ class SdpaAttention(MegatronModule):
                                                  enable_gqa=q.size(1) != k.size(1))
         # [b, np, sq, hn] -> [sq, b, np * hn]
         return context.permute(2, 0, 1, 3).reshape(sq, query.size(1), -1)
+
+    def _packed(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor],
+                params: PackedSeqParams) -> Tensor:
+        """Sequences end to end (megatron's `thd`: query [t, np, hn], key / value [t, ng, hn]), each attending
+        causally to itself only: per bucket of similar lengths (PackedSequences) one causal SDPA over its sequences
+        right-padded, which no real query sees (the padding comes after each sequence's own keys). No [t, t] mask
+        is ever built, so the flash kernels serve."""
+        packed = isinstance(params, PackedSequences)
+        refusals = [
+            (params.qkv_format != "thd", f"qkv_format={params.qkv_format!r}"),
+            (attention_mask is not None, "an attention_mask beside packed sequences"),
+            (self.attn_mask_type != AttnMaskType.causal, f"attn_mask_type={self.attn_mask_type} when packed"),
+            (not packed, "packed_seq_params other than PackedSequences, which carry the pack's plan"),
+        ]
+        for refused, what in refusals:
+            if refused:
+                raise ValueError(f"SdpaAttention (layer {self.layer_number}) does not support {what}")
+        heads, dim = query.shape[1:]
+        outs = []
+        for rows, real in params.buckets:
+            # [sequences, longest, heads, hn] -> [sequences, heads, longest, hn]
+            q, k, v = (t[rows].permute(0, 2, 1, 3) for t in (query, key, value))
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale,
+                                                 enable_gqa=q.size(1) != k.size(1))
+            outs.append(out.permute(0, 2, 1, 3).reshape(-1, heads, dim)[real])
+        return torch.cat(outs)[params.restore].reshape(query.size(0), -1)  # [t, np * hn]

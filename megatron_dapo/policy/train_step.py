@@ -82,7 +82,7 @@ class PolicyTrainer:
     def __init__(self, spec: ModelSpec, parallel: ParallelConfig, device: torch.device, optim: OptimConfig,
                  loss: LossConfig, max_tokens_per_micro_batch: int, activation_recompute: str = "none",
                  updates_per_step: int = 1, temperature: float = 1.0, params_dtype: torch.dtype | None = None,
-                 moe_aux_loss_coef: float | None = None, routing_replay: bool = False):
+                 moe_aux_loss_coef: float | None = None, routing_replay: bool = False, packed: bool = False):
         """`activation_recompute`: model.activation_recompute ("full": each layer keeps only its input and
         recomputes the rest in the backward). Forward-only passes are unaffected: megatron-core recomputes only in
         training mode, and under no_grad its checkpoint keeps nothing for a backward either.
@@ -94,7 +94,8 @@ class PolicyTrainer:
         optimizer keeps an fp32 master copy of the weights (load them with load_policy_weights).
         `moe_aux_loss_coef`: model.moe_aux_loss_coef, a mixture of experts' load-balancing loss coefficient (None:
         the model's config.json's).
-        `routing_replay`: every router takes the experts the samples' sequences carry (policy/routing_replay.py)."""
+        `routing_replay`: every router takes the experts the samples' sequences carry (policy/routing_replay.py).
+        `packed`: model.packing, micro-batches of whole sequences end to end (policy/batch.py)."""
         from megatron.core import parallel_state
         from megatron.core.distributed import (
             DistributedDataParallel,
@@ -105,7 +106,7 @@ class PolicyTrainer:
 
         self.spec, self.parallel, self.device = spec, parallel, device
         self.optim, self.loss_cfg = optim, loss
-        self.max_tokens = max_tokens_per_micro_batch
+        self.max_tokens, self.packed = max_tokens_per_micro_batch, packed
         self.step_count = 0  # the LR schedule's position, in optimizer updates
         self.updates_per_step = updates_per_step
         self.temperature = temperature
@@ -170,7 +171,8 @@ class PolicyTrainer:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         check_sequences([s.sequence for s in samples], self.spec.max_position_embeddings)
-        mbs = model_micro_batches(self.module.config, [s.sequence for s in samples], self.max_tokens, self.device)
+        mbs = model_micro_batches(self.module.config, [s.sequence for s in samples], self.max_tokens, self.device,
+                                  self.packed)
         dev = self.device
         with_ref = self.loss_cfg.kl_coef > 0
         if with_ref and any(s.ref_logp is None for s in samples):

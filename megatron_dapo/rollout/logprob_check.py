@@ -111,14 +111,15 @@ def check_engine_logprobs(engine, recompute: Recompute, *, temperature: float,
 
 
 def check_servers(urls: list[str], model, spec, *, temperature: float, max_tokens_per_micro_batch: int,
-                  device) -> None:
+                  device, packed: bool = False) -> None:
     """Every trainer rank: the servers given by URL (rollout.server_urls) against the policy `model` (its stage on
     this rank); a ConfigError on every rank if they do not return its log-probs at `temperature`."""
     from megatron_dapo.policy.forward import logprob_recomputer
     from megatron_dapo.rollout.sglang_engine import SGLangEngine
 
     recompute = logprob_recomputer(model, vocab_size=spec.vocab_size, max_positions=spec.max_position_embeddings,
-                                   max_tokens_per_micro_batch=max_tokens_per_micro_batch, device=device)
+                                   max_tokens_per_micro_batch=max_tokens_per_micro_batch, device=device,
+                                   packed=packed)
     driver = dist.get_rank() == 0
     engine = SGLangEngine(list(urls), max_server_restarts=0) if driver else None
     try:

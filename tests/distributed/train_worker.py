@@ -1,8 +1,9 @@
 """torchrun worker: one training step at the layouts a world size allows, and a few Adam steps.
 
-argv: OUT_DIR LAYOUT [LAYOUT ...], a layout being tp,pp,micro_batch_tokens[,r][,s] (r: full activation
+argv: OUT_DIR LAYOUT [LAYOUT ...], a layout being tp,pp,micro_batch_tokens[,r][,s][,p][,sp] (r: full activation
 recompute, model.activation_recompute "full"; s: loss.aggregation "sample", whose record also holds the loss by
-its float64 definition over transformers' log-probs). Per layout the weight change of one Adam step, gathered to
+its float64 definition over transformers' log-probs; p: packed micro-batches, model.packing; sp: sequence
+parallelism). Per layout the weight change of one Adam step, gathered to
 HF names, goes to OUT_DIR/{tag}-stage{pp_rank}.pt from the ranks with tp_rank = dp_rank = 0; the step's
 loss and grad norm to OUT_DIR/{tag}.json, with how many layer checkpoints megatron-core made on each rank.
 Layout "adam" runs 6 Adam steps at TP=2 and records the loss; "nan" poisons one micro-batch (nan.json); "bf16"
@@ -179,25 +180,28 @@ def run_layout(out_dir, layout, spec, hf):
 
     adam = layout == "adam"
     fields = ["2", "1", "200"] if adam else layout.split(",")
-    recompute, sample_level = "r" in fields[3:], "s" in fields[3:]
-    if len(fields) < 3 or not set(fields[3:]) <= {"r", "s"}:
-        raise SystemExit(f"bad layout {layout!r}: expected tp,pp,micro_batch_tokens[,r][,s]")
+    recompute, sample_level, packed = "r" in fields[3:], "s" in fields[3:], "p" in fields[3:]
+    if len(fields) < 3 or not set(fields[3:]) <= {"r", "s", "p", "sp"}:
+        raise SystemExit(f"bad layout {layout!r}: expected tp,pp,micro_batch_tokens[,r][,s][,p][,sp]")
     tp, pp, mb_tokens = map(int, fields[:3])
-    parallel = ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp, device="cpu", seed=7)
+    parallel = ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp, sequence_parallel="sp" in fields[3:],
+                              device="cpu", seed=7)
     runtime = init_runtime(parallel)
     # First Adam step with eps >> |g|: the change is lr * g / (|g| + eps), i.e. minus the gradient for lr = eps.
     optim = (OptimConfig(lr=3e-3, warmup_steps=0, weight_decay=0.0, clip_grad=1.0) if adam else
              OptimConfig(lr=1e3, adam_eps=1e3, warmup_steps=0, weight_decay=0.0, clip_grad=0.0))
     loss = LossConfig(dual_clip_c=3.0, aggregation="sample" if sample_level else "token")
     trainer = PolicyTrainer(spec, parallel, runtime.device, optim, loss, mb_tokens,
-                            activation_recompute="full" if recompute else "none", params_dtype=PARITY_DTYPE)
+                            activation_recompute="full" if recompute else "none", params_dtype=PARITY_DTYPE,
+                            packed=packed)
     load_policy_weights(trainer, hf.state_dict().__getitem__)
     dp, dp_rank = runtime.data_parallel, parallel_state.get_data_parallel_rank()
     samples = batch(hf)
     mine = samples[dp_rank::dp]
     tag = "adam" if adam else f"tp{tp}-pp{pp}-dp{dp}-mb{mb_tokens}" + "".join(f"-{f}" for f in fields[3:])
     counts = [None] * dist.get_world_size()
-    dist.all_gather_object(counts, len(micro_batches([s.sequence for s in mine], mb_tokens)))
+    multiple = tp if parallel.sequence_parallel else 1
+    dist.all_gather_object(counts, len(micro_batches([s.sequence for s in mine], mb_tokens, multiple, packed=packed)))
     record = {"micro_batches_per_rank": counts}
     if adam:
         losses = []
