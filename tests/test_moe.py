@@ -11,7 +11,9 @@ from torchrun_launch import torchrun
 PARITY = ["tp1-ep1-pp1", "tp1-ep2-pp1", "tp2-ep2-pp1-sp", "tp1-ep2-pp2"]
 BASE = "tp1-ep1-pp1-mb100000"  # no expert parallelism, one micro-batch per rank
 SPLITS = ["tp1-ep2-pp1-mb62", "tp1-ep2-pp1-mb62-r", "tp2-ep2-pp1-sp-mb200", "tp1-ep2-pp2-mb200",
-          "tp1-ep2-pp2-mb200-r"]
+          "tp1-ep2-pp2-mb200-r",
+          "tp1-ep2-pp1-mb62-plain",  # optim.distributed_optimizer false: the experts' plain optimizer
+          "tp2-ep2-pp1-sp-mb200-p"]  # model.packing, with sequence and expert parallelism
 AUX = "tp1-ep2-pp2-mb200-aux"  # the same step with model.moe_aux_loss_coef 0.01
 
 

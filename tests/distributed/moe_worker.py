@@ -79,25 +79,30 @@ def parity_case(spec, ckpt, seqs, ref, layout, out_dir) -> tuple[dict | None, di
     return errors, same
 
 
-def training_case(out_dir, spec, get, hf, layout, aux_loss_coef: float = 0.0) -> None:
-    """`aux_loss_coef`: the load-balancing loss's; 0 (the split invariance: it is computed per micro-batch)."""
+def training_case(out_dir, spec, get, hf, layout, aux_loss_coef: float = 0.0, plain_optimizer: bool = False,
+                  packed: bool = False) -> None:
+    """`aux_loss_coef`: the load-balancing loss's; 0 (the split invariance: it is computed per micro-batch).
+    `plain_optimizer`: megatron-core's optimizer without sharding its state (optim.distributed_optimizer false);
+    `packed`: packed micro-batches (model.packing)."""
     from megatron.core import parallel_state
 
     tp, ep, pp, sp, mb_tokens, recompute = layout
     parallel = parallel_config(tp, ep, pp, sp)
     runtime = init_runtime(parallel)
     # First Adam step with eps >> |g|: the change is lr * g / (|g| + eps), i.e. minus the gradient for lr = eps.
-    optim = OptimConfig(lr=1e3, adam_eps=1e3, warmup_steps=0, weight_decay=0.0, clip_grad=0.0)
+    optim = OptimConfig(lr=1e3, adam_eps=1e3, warmup_steps=0, weight_decay=0.0, clip_grad=0.0,
+                        distributed_optimizer=not plain_optimizer)
     trainer = PolicyTrainer(spec, parallel, runtime.device, optim, LossConfig(dual_clip_c=3.0), mb_tokens,
                             activation_recompute="full" if recompute else "none", params_dtype=PARITY_DTYPE,
-                            moe_aux_loss_coef=aux_loss_coef)
+                            moe_aux_loss_coef=aux_loss_coef, packed=packed)
     load_policy_weights(trainer, get)
     dp, dp_rank = runtime.data_parallel, parallel_state.get_data_parallel_rank()
     mine = batch(hf)[dp_rank::dp]
     before = gathered_hf_state(trainer.module, spec, parallel)
     result = trainer.step(mine)
     after = gathered_hf_state(trainer.module, spec, parallel)
-    tag = layout_tag(*layout) + ("-aux" if aux_loss_coef else "")
+    tag = layout_tag(*layout) + ("-aux" if aux_loss_coef else "") + ("-plain" if plain_optimizer else "") \
+        + ("-p" if packed else "")
     torch.save({k: after[k] - before[k] for k in after}, os.path.join(out_dir, f"{tag}-rank{dist.get_rank()}.pt"))
     if dist.get_rank() == 0:
         with open(os.path.join(out_dir, f"{tag}.json"), "w") as f:
@@ -129,6 +134,8 @@ def main(out_dir: str) -> None:
     for layout in TRAINING:
         training_case(out_dir, spec, ckpt.get, hf, layout)
     training_case(out_dir, spec, ckpt.get, hf, TRAINING[-2], aux_loss_coef=0.01)
+    training_case(out_dir, spec, ckpt.get, hf, TRAINING[1], plain_optimizer=True)
+    training_case(out_dir, spec, ckpt.get, hf, TRAINING[3], packed=True)
     shutdown_runtime()
 
 
