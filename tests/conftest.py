@@ -124,6 +124,32 @@ def shared_sglang(tmp_path_factory):
         yield srv, tokenizer, root
 
 
+def train_in_process(cfg: dict, folder: Path, monkeypatch) -> tuple[float, float, list[dict]]:
+    """`megatron-dapo train` of `cfg` (the YAML's shape, written to folder/run.yaml) in this process: held-out
+    eval/avg@4 before and after, and the steps' metrics."""
+    import json
+
+    import yaml
+
+    from megatron_dapo.parallel.runtime import free_port
+    from megatron_dapo.run_config import load_config
+    from megatron_dapo.trainer import DapoTrainer
+
+    path = folder / "run.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    trainer = DapoTrainer(load_config(path))
+    try:
+        before = trainer.evaluate()["eval/avg@4"]
+        trainer.train()
+        after = trainer.evaluate()["eval/avg@4"]
+    finally:
+        trainer.close()
+    lines = (Path(cfg["train"]["output_dir"]) / "metrics.jsonl").read_text().splitlines()
+    return before, after, [json.loads(line) for line in lines]
+
+
 def sglang_server_as_started(shared) -> tuple:
     """The shared server as a module expects it: up (started again if a module stopped it) and serving the
     weights of its folder as version "0" (a module may have pushed others)."""

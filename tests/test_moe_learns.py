@@ -6,9 +6,7 @@ Half the demo's steps and held-out prompts: the held-out accuracy and the sample
 import json
 
 import pytest
-import yaml
-
-from megatron_dapo.parallel.runtime import free_port
+from conftest import train_in_process
 
 pytestmark = pytest.mark.slow
 STEPS, EVAL_PROMPTS = 20, 128
@@ -27,25 +25,12 @@ def warm_moe(tmp_path_factory):
 
 def test_a_moe_policy_with_routing_replay_learns(warm_moe, tmp_path, monkeypatch):
     from megatron_dapo.demo import dapo_config
-    from megatron_dapo.run_config import load_config
-    from megatron_dapo.trainer import DapoTrainer
 
     cfg = dapo_config(warm_moe, warm_moe / "warm", tmp_path / "run", seed=0, moe=True)
     assert cfg["rollout"]["routing_replay"] and cfg["model"]["moe_aux_loss_coef"] == 0.0
     cfg["train"] = {**cfg["train"], "steps": STEPS, "tensorboard": False}
     cfg["eval"] = {**cfg["eval"], "every": 0, "max_prompts": EVAL_PROMPTS}
-    path = tmp_path / "run.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
-    trainer = DapoTrainer(load_config(path))
-    try:
-        before = trainer.evaluate()["eval/avg@4"]
-        trainer.train()
-        after = trainer.evaluate()["eval/avg@4"]
-    finally:
-        trainer.close()
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    before, after, rows = train_in_process(cfg, tmp_path, monkeypatch)
     accuracy = [r["accuracy"] for r in rows]
     print(f"MoE + routing replay: held-out avg@4 {before:.3f} -> {after:.3f} in {len(rows)} steps; "
           f"sampled accuracy {[round(a, 2) for a in accuracy]}")

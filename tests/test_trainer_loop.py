@@ -21,6 +21,7 @@ import psutil
 import pytest
 import yaml
 
+from conftest import train_in_process
 from wandb_records import history, run_config
 
 from megatron_dapo.checkpoint.trainer_checkpoint import latest_checkpoint
@@ -476,8 +477,6 @@ def test_sglang_bf16_learns_through_the_tensor_weight_sync(demo, tmp_path, monke
     the demo's warm model learns: held-out avg@4 rises. A master copy of anything but the loaded weights, or a
     server left on stale or garbled weights, falls instead."""
     from megatron_dapo.demo import dapo_config
-    from megatron_dapo.run_config import load_config
-    from megatron_dapo.trainer import DapoTrainer
 
     cfg = dapo_config(demo, demo / "warm", tmp_path / "run", seed=0)
     cfg["model"]["dtype"] = "bfloat16"
@@ -488,19 +487,8 @@ def test_sglang_bf16_learns_through_the_tensor_weight_sync(demo, tmp_path, monke
     cfg["loss"] = {**cfg["loss"], "old_logprobs": "recompute"}
     cfg["train"] = {**cfg["train"], "steps": STEPS_BF16, "tensorboard": False}
     cfg["eval"] = {**cfg["eval"], "every": 0}
-    path = tmp_path / "run.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
     start = time.monotonic()
-    trainer = DapoTrainer(load_config(path))
-    try:
-        before = trainer.evaluate()["eval/avg@4"]
-        trainer.train()
-        after = trainer.evaluate()["eval/avg@4"]
-    finally:
-        trainer.close()
-    rows = metrics(tmp_path / "run")
+    before, after, rows = train_in_process(cfg, tmp_path, monkeypatch)
     print(f"bf16 + SGLang + tensor sync: held-out avg@4 {before:.3f} -> {after:.3f} in {len(rows)} steps, "
           f"{time.monotonic() - start:.0f} s; accuracy per step {[round(r['accuracy'], 2) for r in rows]}")
     assert [r["weight_version"] for r in rows] == list(range(STEPS_BF16))
