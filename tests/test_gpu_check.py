@@ -136,7 +136,8 @@ def test_run_sh_runs_every_step_and_tabulates_failures(source_copy, tmp_path):
     rows = {m.group(1): m.group(2) for m in re.finditer(r"^\| ([^|-][^|]*?) \| ([^|]+?) \|", result.stdout, re.M)}
     assert rows.pop("step") == "status"
     assert list(rows) == ["build megatron_dapo._C", "install wheels", "fused op CUDA tests", "fused op benchmark",
-                          "fused op host overhead", "policy bf16 vs transformers", "DAPO end to end (1 GPU)",
+                          "fused op host overhead", "policy bf16 vs transformers",
+                          "MoE bf16 vs transformers (EP = 1)", "DAPO end to end (1 GPU)",
                           "train step (Qwen2.5-1.5B shape)", "weight export (Qwen2.5-1.5B shape)",
                           "train step fusions", "log-prob memory benchmark",
                           "attention memory at 22.5k tokens"], rows
@@ -144,7 +145,7 @@ def test_run_sh_runs_every_step_and_tabulates_failures(source_copy, tmp_path):
     assert set(rows.values()) == {"PASS"}, rows
     summary = (tmp_path / "out" / "gpu_check.md").read_text()
     assert "skipped" in summary and "installed already: megatron-core" in summary
-    assert len(list((tmp_path / "out").glob("*.log"))) == 12
+    assert len(list((tmp_path / "out").glob("*.log"))) == 13
 
 
 @pytest.mark.slow

@@ -8,10 +8,10 @@
 # 2. installs the wheels in tests/gpu/wheels (megatron-core, math-verify, ...) into a folder put on
 #    PYTHONPATH after the repository;
 # 3. runs each check under a time limit, going on after a failure: the CUDA tests of the fused op, its
-#    benchmark and host overhead, the policy in bf16 against transformers, a short DAPO run end to end
-#    (tests/gpu/e2e_dapo.py), a train step's MFU and peak memory against preflight's, the weights' export
-#    bandwidth, megatron-core's fusions each against the step as shipped, the log-prob memory benchmark, the
-#    SDPA attention's memory at 22.5k tokens against megatron's;
+#    benchmark and host overhead, the policy in bf16 against transformers (dense, and a MoE at EP = 1), a
+#    short DAPO run end to end (tests/gpu/e2e_dapo.py), a train step's MFU and peak memory against preflight's,
+#    the weights' export bandwidth, megatron-core's fusions each against the step as shipped, the log-prob memory
+#    benchmark, the SDPA attention's memory at 22.5k tokens against megatron's;
 # 4. writes the summary table (step, status, seconds, key figures) to ${OUT:-tests/gpu/results}/gpu_check.md,
 #    each step's log beside it, prints it, and exits 1 if any step failed.
 # Settings: PY, OUT, TORCH_CUDA_ARCH_LIST, GPU_CHECK_BUDGET_S (default 440: the seconds all steps may take).
@@ -227,7 +227,9 @@ run_step "fused op benchmark" 90 bench_figures "$PY" bench/bench_dapo_loss.py --
 run_step "fused op host overhead" 60 overhead_figures "$PY" bench/bench_dapo_loss_overhead.py --device cuda \
     --tokens 1e5 1e7 --reps 200
 run_step "policy bf16 vs transformers" 90 policy_figures "$PY" -m pytest tests/gpu/test_policy_cuda.py -q -s -rfE \
-    -p no:cacheprovider
+    -p no:cacheprovider -k qwen2
+run_step "MoE bf16 vs transformers (EP = 1)" 90 policy_figures "$PY" -m pytest tests/gpu/test_policy_cuda.py -q -s \
+    -rfE -p no:cacheprovider -k qwen3_moe
 run_step "DAPO end to end (1 GPU)" 240 figures_lines "$PY" tests/gpu/e2e_dapo.py --device cuda --out "$out/e2e_dapo"
 run_step "train step (Qwen2.5-1.5B shape)" 120 train_step_figures "$PY" bench/bench_train_step.py --device cuda
 run_step "weight export (Qwen2.5-1.5B shape)" 60 export_figures "$PY" bench/bench_export.py --device cuda

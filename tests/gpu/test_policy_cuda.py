@@ -1,4 +1,6 @@
-"""The Megatron policy on one GPU (NCCL, bf16, Transformer Engine layers when installed) against transformers.
+"""The Megatron policy on one GPU (NCCL, bf16, Transformer Engine layers when installed) against transformers:
+a dense Qwen2 and a Qwen3-MoE with experts in every layer (EP = 1; megatron-core's SequentialMLP experts without
+Transformer Engine, its grouped experts with it).
 
 Its bf16 log-probs are held to transformers' fp32 ones of the same model within a few times the error of
 transformers' own bf16 run (with a floor); `-s` shows the figures (tests/gpu/run.sh puts them in its table)."""
@@ -32,7 +34,8 @@ def runtime():
     shutdown_runtime()
 
 
-def test_bf16_logprobs_and_a_training_step(runtime):
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3_moe_sparse"])
+def test_bf16_logprobs_and_a_training_step(runtime, kind):
     from tiny_models import hf_model, hf_response_logprobs, sequences
 
     from megatron_dapo.checkpoint.hf_weights import load_policy_weights
@@ -40,7 +43,7 @@ def test_bf16_logprobs_and_a_training_step(runtime):
     from megatron_dapo.policy.hf_config import model_spec_from_hf
     from megatron_dapo.policy.train_step import LossConfig, OptimConfig, PolicyTrainer, RolloutSample
 
-    hf, cfg = hf_model("qwen2")
+    hf, cfg = hf_model(kind)
     spec = model_spec_from_hf(cfg)
     trainer = PolicyTrainer(spec, runtime.parallel, runtime.device, OptimConfig(lr=1e-3, warmup_steps=0),
                             LossConfig(), max_tokens_per_micro_batch=130)
@@ -54,13 +57,13 @@ def test_bf16_logprobs_and_a_training_step(runtime):
     worst = max((o[0].double().cpu() - r[0]).abs().max().item() for o, r in zip(out, ref))
     hf_worst = max((h - r[0]).abs().max().item() for h, r in zip(hf_bf16, ref))
     bound = max(BF16_FLOOR, BF16_FACTOR * hf_worst)
-    print(f"\nfigures: bf16 max |logp - transformers fp32| {worst:.2g} (transformers bf16: {hf_worst:.2g}; "
+    print(f"\nfigures: {kind} bf16 max |logp - transformers fp32| {worst:.2g} (transformers bf16: {hf_worst:.2g}; "
           f"bound {bound:.2g})")
     assert worst < bound, f"bf16 log-probs off by {worst}; transformers' own bf16 run is off by {hf_worst}"
     samples = [RolloutSample(s, o[0].float().cpu(), torch.full((s.response_len,), 1.0 if i % 2 else -1.0),
                              torch.ones(s.response_len, dtype=torch.bool)) for i, (s, o) in enumerate(zip(seqs, out))]
     losses = [trainer.step(samples).loss for _ in range(4)]
-    print(f"figures: loss over 4 bf16 steps {losses[0]:.4g} -> {losses[-1]:.4g}")
+    print(f"figures: {kind} loss over 4 bf16 steps {losses[0]:.4g} -> {losses[-1]:.4g}")
     assert losses[-1] < losses[0], losses
 
 
