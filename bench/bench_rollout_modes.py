@@ -147,10 +147,11 @@ def main() -> None:
         root = Path(args.workdir or tmp)
         root.mkdir(parents=True, exist_ok=True)
         if args.learning:
-            from megatron_dapo.demo import WARM_START, prepare_task
+            from megatron_dapo.demo import prepare_task
+            from megatron_dapo.demo.tasks import demo_task
 
             pairs = prepare_task(root, 0)
-            supervised_warm_start(root / "base", root / "model", pairs, seed=0, **WARM_START)
+            supervised_warm_start(root / "base", root / "model", pairs, seed=0, **demo_task("sums").warm_start)
         else:
             prepare_timing(root, args.hidden, args.layers)
         config = SGLangServerConfig(str(root / "model"), device="cpu", dtype="float32", max_total_tokens=16384,

@@ -182,13 +182,11 @@ def evaluate(model_dir: Path, out: Path) -> float:
 
 def prepare(out: Path) -> None:
     """The demo's task and warm model, once."""
-    from megatron_dapo.demo import WARM_START, prepare_task
-    from megatron_dapo.demo.warm_start import supervised_warm_start
+    from megatron_dapo.demo import warm_task
 
     if (out / "warm" / "config.json").exists():
         return
-    pairs = prepare_task(out, seed=0)
-    supervised_warm_start(out / "base", out / "warm", pairs, seed=0, **WARM_START)
+    warm_task(out, seed=0)
 
 
 def run_side(side: str, out: Path, seed: int, steps: int) -> dict:

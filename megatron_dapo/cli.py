@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 
+from megatron_dapo.demo.tasks import TASKS
 from megatron_dapo.observability.run_logging import setup_run_logging
 
 log = logging.getLogger("megatron_dapo.cli")  # not __name__: "__main__" under python -m would not count as ours
@@ -36,6 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--moe", action="store_true", help="the policy a tiny Qwen3-MoE (8 experts, top 2), its "
                       "routers replaying the engine's routes")
+    demo.add_argument("--task", choices=list(TASKS), default="sums", help="sums: two-digit sums answered in one "
+                      "line; chain: sums of 2 to 10 numbers worked line by line (11 to 77 tokens)")
     demo.add_argument("--verbose", action="store_true", help=VERBOSE_HELP.format(log="OUTPUT/demo.log"))
     convert = commands.add_parser("convert", help="convert checkpoints between Hugging Face and megatron-core")
     from megatron_dapo.checkpoint import convert as convert_module
@@ -77,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
 
         log_file = setup_run_logging(args.output, "demo", verbose=args.verbose, append=False)
         log.info("full log (libraries and warnings included): %s", log_file)
-        return run_demo(args.output, seed=args.seed, log_file=log_file, moe=args.moe)
+        return run_demo(args.output, seed=args.seed, log_file=log_file, moe=args.moe, task=args.task)
     parser.error(f"unknown command {args.command!r}")
     return 2
 

@@ -137,7 +137,10 @@ class LossConfig:
     # Truncated importance sampling: weight each token by min(pi_old / pi_rollout, cap) to correct the
     # mismatch between the inference engine's and the trainer's probabilities, and for the older weights a
     # one_step_off batch was sampled by (decoupled PPO: pi_rollout is the behaviour policy, pi_old the
-    # proximal one). None: off.
+    # proximal one). None: off. The weight multiplies the KL term too (loss.kl_coef > 0): that term is a mean
+    # of a per-token estimate over the tokens the engine sampled, and the weight moves that mean from the
+    # engine's distribution to pi_old's, the one the policy-gradient term is corrected to; leaving it out would
+    # estimate the KL under the engine's token frequencies, not the policy's.
     tis_cap: float | None = None
     # "truncate": weight min(ratio, cap); "mask": weight ratio, and 0 (the token left out) past the cap.
     tis_mode: str = "truncate"

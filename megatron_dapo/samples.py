@@ -37,6 +37,9 @@ class Sample:
     # top_k] expert ids of every position the engine ran through the model, prompt then output (the last output
     # token is never run: len(prompt) + len(output) - 1 rows), as route_dtype(num_experts) makes them.
     routes: np.ndarray | None = None
+    # The sum over its output tokens of the entropy (nats) of the distribution each was sampled from (at the
+    # sampling temperature, before top_p), when the engine reports it (the in-process engine; SGLang does not).
+    entropy_sum: float | None = None
 
 
 def route_dtype(num_experts: int) -> np.dtype:

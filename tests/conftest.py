@@ -97,13 +97,20 @@ def demo(tmp_path_factory):
     """The demo's task and warm model, made as `megatron-dapo demo` makes them (seed 0): a minute on 2 idle cores.
     test_tiny_cpu_config, test_gpu_check's end-to-end run and test_trainer_loop's bf16 run train it; nothing writes
     into it."""
-    from megatron_dapo.demo import WARM_START, prepare_task
-    from megatron_dapo.demo.warm_start import supervised_warm_start
+    from megatron_dapo.demo import warm_task
 
-    def build(out):
-        supervised_warm_start(out / "base", out / "warm", prepare_task(out, seed=0), seed=0, **WARM_START)
+    return built_once(tmp_path_factory, "demo", lambda out: warm_task(out, seed=0))
 
-    return built_once(tmp_path_factory, "demo", build)
+
+@pytest.fixture(scope="session")
+def chain(tmp_path_factory):
+    """The demo's "chain" task (sums of 2 to 10 numbers worked line by line) as `megatron-dapo demo --task chain`
+    makes it (seed 0), warm started for 100 steps only (the demo's warm start takes 850, over 5 minutes here): the
+    answer format and a few sums, enough for test_ablation_bench's quick ablation, whose numbers nothing reads.
+    Nothing writes into it."""
+    from megatron_dapo.demo import warm_task
+
+    return built_once(tmp_path_factory, "chain", lambda out: warm_task(out, seed=0, task="chain", max_steps=100))
 
 
 @pytest.fixture(scope="session")

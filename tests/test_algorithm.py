@@ -62,24 +62,28 @@ class ScriptedStream:
 
 
 class ScriptedEngine:
-    def __init__(self, group_size_override=None):
+    def __init__(self, group_size_override=None, entropy_per_token=None):
         self.streams = []
         self.group_size_override = group_size_override
+        self.entropy_per_token = entropy_per_token  # outcome -> nats a token, reported as the local engine does
 
     def stream(self, prompts, n, params):
         groups = []
         for i, ids in enumerate(prompts):
             pattern = "".join(map(chr, ids))
             assert len(pattern) == n
-            groups.append([_sample(i, j, c) for j, c in enumerate(pattern)][: self.group_size_override or n])
+            groups.append([_sample(i, j, c, self.entropy_per_token) for j, c in enumerate(pattern)]
+                          [: self.group_size_override or n])
         self.streams.append(ScriptedStream(groups))
         return self.streams[-1]
 
 
-def _sample(prompt_index, j, outcome):
+def _sample(prompt_index, j, outcome, entropy_per_token=None):
     n = LENGTHS[outcome]
     logprobs = [-0.1 * (j + 1) - 0.01 * t for t in range(n)]
-    return Sample(prompt_index, list(range(100, 100 + n)), logprobs, "length" if outcome == "T" else "stop", "v0")
+    entropy = None if entropy_per_token is None else n * entropy_per_token[outcome]
+    return Sample(prompt_index, list(range(100, 100 + n)), logprobs, "length" if outcome == "T" else "stop", "v0",
+                  entropy_sum=entropy)
 
 
 class Prompts:
@@ -272,6 +276,19 @@ def test_without_dynamic_sampling_the_batch_is_the_first_groups_drawn_uniform_on
     assert all(0 < g.num_correct < 4 for g in on.collect().groups) and len(on_prompts.asked) > 1
 
 
+def test_without_dynamic_sampling_an_all_right_group_is_pushed_by_the_overlong_penalty_alone():
+    """A group without contrast gets advantages of 0 only while its rewards are equal: with the soft overlong
+    penalty on, an all-right group whose answers reach into the interval is trained towards its shorter answers
+    (dynamic sampling drops it: it is all right)."""
+    sampler, _, _ = make_sampler(["CCLL", "CWWW", "WWWW", "CWCW"], dynamic_sampling=False)
+    uniform = sampler.collect().groups[0]
+    assert uniform.num_correct == 4
+    assert uniform.rewards.tolist() == [1.0, 1.0, 0.5, 0.5]
+    assert uniform.advantages[:2].min() > 0 > uniform.advantages[2:].max()
+    on, _, _ = make_sampler(["CCLL", "CWWW", "WWWW", "CWCW"])
+    assert 0 not in [g.prompt.index for g in on.collect().groups]
+
+
 def test_without_dynamic_sampling_stale_groups_are_still_dropped_and_drawn_again():
     class Versioned(ScriptedEngine):
         def stream(self, prompts, n, params):
@@ -440,6 +457,22 @@ def test_batch_contents_and_metrics():
     assert m.reward_mean == pytest.approx((1 + 0.5 - 1 - 2) / 4)
     d = m.as_dict()
     assert d["filter_rate"] == 0.0 and d["round_cap_hit"] == 0.0 and d["samples_per_kept_sample"] == 1.0
+
+
+def test_the_rollout_entropy_covers_every_settled_token_kept_or_dropped():
+    """The entropy per generated token over the settled groups, the dropped ones included, so that recipes that keep
+    different groups are measured on the same tokens; absent where the engine reports no entropies."""
+    per_token = {"C": 0.5, "W": 2.0, "L": 1.0, "T": 3.0}
+    engine = ScriptedEngine(entropy_per_token=per_token)
+    sampler, _, _ = make_sampler(["CCCC", "CWWW", "WWWW", "CLWT"], batch_size=2, engine=engine)
+    m = sampler.collect().metrics
+    assert m.groups_settled == 4 and m.groups_kept == 2  # two dropped: all right, all wrong
+    tokens = {c: LENGTHS[c] * "CCCCCWWWWWWWCLWT".count(c) for c in per_token}
+    assert m.rollout_entropy == pytest.approx(sum(per_token[c] * tokens[c] for c in tokens) / sum(tokens.values()))
+    assert m.as_dict()["rollout_entropy"] == m.rollout_entropy
+    plain, _, _ = make_sampler(["CWWW"], batch_size=1)
+    without = plain.collect().metrics
+    assert without.rollout_entropy is None and "rollout_entropy" not in without.as_dict()
 
 
 @pytest.mark.parametrize("kwargs, key", [

@@ -266,7 +266,8 @@ def independent_value(expression: str) -> int:
 
 
 @pytest.mark.parametrize("knobs", [dict(digits=1), dict(digits=3, operations="+-*", num_operands=4),
-                                   dict(digits=2, operations="*", num_operands=3, steps=True)])
+                                   dict(digits=2, operations="*", num_operands=3, steps=True),
+                                   dict(digits=1, operations="+", num_operands=(2, 12), steps=True)])
 def test_synthetic_rows_are_deterministic_and_correct(knobs):
     rows = generate_rows(200, seed=11, **knobs)
     assert rows == generate_rows(200, seed=11, **knobs)
@@ -276,7 +277,8 @@ def test_synthetic_rows_are_deterministic_and_correct(knobs):
         [message] = row["prompt"]
         expression = message["content"].removesuffix("=")
         operands = [int(x) for x in re.split(r"[-+*]", expression)]
-        assert len(operands) == knobs.get("num_operands", 2) and max(operands) < 10 ** knobs["digits"]
+        low, high = (lambda n: n if isinstance(n, tuple) else (n, n))(knobs.get("num_operands", 2))
+        assert low <= len(operands) <= high and max(operands) < 10 ** knobs["digits"]
         assert set(re.sub(r"\d", "", expression)) <= set(knobs.get("operations", "+-"))
         answer = str(independent_value(expression))
         assert row["reward_model"]["ground_truth"] == answer
@@ -286,6 +288,9 @@ def test_synthetic_rows_are_deterministic_and_correct(knobs):
             left, right = step.split("=")
             assert independent_value(left) == int(right)
         assert len(solution) == (len(operands) if knobs.get("steps") else 1)
+    if isinstance(knobs.get("num_operands"), tuple):  # every count of the range, ends included
+        counts = {len(re.split(r"[-+*]", r["extra_info"]["expression"])) for r in rows}
+        assert counts == set(range(knobs["num_operands"][0], knobs["num_operands"][1] + 1))
 
 
 def test_dapo_style_prompt():
@@ -301,7 +306,9 @@ def test_synthetic_bad_knobs():
     for knobs, message in [(dict(digits=0), "digits: must be a whole number >= 1"),
                            (dict(digits=10), "digits: at most 9"),
                            (dict(operations="+/"), "operations: a non-empty string of '\\+-\\*'"),
-                           (dict(num_operands=1), "num_operands: must be a whole number >= 2"),
+                           (dict(num_operands=1), "num_operands: a whole number >= 2, or a range"),
+                           (dict(num_operands=(5, 4)), r"num_operands: .* 2 <= low <= high, got \(5, 4\)"),
+                           (dict(num_operands=[2, 4]), r"num_operands: .* got \[2, 4\]"),
                            (dict(style="long"), "style: one of")]:
         with pytest.raises(DataError, match=message):
             generate_rows(5, seed=0, **knobs)

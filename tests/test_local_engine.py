@@ -54,7 +54,8 @@ def as_sequences(ps, samples):
     return [Sequence(torch.tensor(ps[s.prompt_index] + s.output_ids), len(ps[s.prompt_index])) for s in samples]
 
 
-def recomputed_logprobs(policy, ps, samples, model=None, temperature=1.0):
+def recomputed_logprobs(policy, ps, samples, model=None, temperature=1.0, entropies=False):
+    """The policy's log-probs of the samples' tokens at `temperature` (with `entropies`: (log-probs, entropies))."""
     from megatron_dapo.policy.forward import response_logprobs
 
     _, spec, runtime, _ = policy
@@ -64,7 +65,7 @@ def recomputed_logprobs(policy, ps, samples, model=None, temperature=1.0):
     out = response_logprobs(model, seqs, vocab_size=spec.vocab_size, max_positions=spec.max_position_embeddings,
                             max_tokens_per_micro_batch=1024, device=runtime.device, temperature=temperature)
     model.train()
-    return [o[0].cpu() for o in out]
+    return [(o[0].cpu(), o[1].cpu()) if entropies else o[0].cpu() for o in out]
 
 
 @pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.8), (1.5, 0.95)])
@@ -74,18 +75,22 @@ def test_sampled_token_frequencies_follow_the_tempered_top_p_distribution(temper
     probs[(probs.cumsum(0) - probs) > top_p] = 0  # SGLang's rule: keep tokens until the mass reaches top_p
     probs /= probs.sum()
     rows = 200_000
-    token, logp = sample_tokens(logits.expand(rows, -1), SamplingParams(temperature=temperature, top_p=top_p),
-                                torch.Generator().manual_seed(0))
+    token, logp, entropy = sample_tokens(logits.expand(rows, -1),
+                                         SamplingParams(temperature=temperature, top_p=top_p),
+                                         torch.Generator().manual_seed(0))
     freq = torch.bincount(token, minlength=6).double() / rows
     assert (freq - probs).abs().max() < 0.005  # about 5 standard deviations
     assert (freq[probs == 0] == 0).all()
     # SGLang's default: log_softmax(logits / T) of the sampled token, before the top_p cut
     assert torch.allclose(logp, torch.log_softmax(logits / temperature, dim=0)[token])
+    # ... and the entropy of that distribution, the one whose log-probs are returned
+    tempered = torch.softmax(logits.double() / temperature, dim=0)
+    assert torch.allclose(entropy.double(), -(tempered * tempered.log()).sum().expand(rows), atol=1e-6)
 
 
 def test_greedy_returns_the_temperature_one_logprob_as_sglang():
     logits = torch.tensor([[2.0, 1.5, 1.0, 0.0], [0.0, -1.0, 3.0, 1.0]])
-    token, logp = sample_tokens(logits, SamplingParams(temperature=1e-7), torch.Generator().manual_seed(0))
+    token, logp, _ = sample_tokens(logits, SamplingParams(temperature=1e-7), torch.Generator().manual_seed(0))
     assert token.tolist() == [0, 2]
     assert torch.equal(logp, torch.log_softmax(logits, dim=-1)[[0, 1], token])
 
@@ -106,9 +111,11 @@ def test_logprobs_equal_the_policy_recomputing_the_samples(policy, temperature, 
     assert {s.finish_reason for s in samples} == {"stop", "length"}  # some rows left the batch early
     assert len({tuple(s.output_ids) for s in samples}) > len(ps)
     untempered = recomputed_logprobs(policy, ps, samples)
-    for s, ref in zip(samples, recomputed_logprobs(policy, ps, samples, temperature=temperature)):
+    for s, (ref, entropy) in zip(samples, recomputed_logprobs(policy, ps, samples, temperature=temperature,
+                                                            entropies=True)):
         assert len(s.logprobs) == len(s.output_ids) == ref.numel()
         assert (torch.tensor(s.logprobs, dtype=torch.float64) - ref.double()).abs().max() < 1e-5
+        assert s.entropy_sum == pytest.approx(entropy.double().sum().item(), rel=1e-5)  # every token's, summed
     if temperature != 1.0:  # the comparison tells the temperatures apart
         assert max((torch.tensor(s.logprobs) - ref).abs().max().item() for s, ref in zip(samples, untempered)) > 0.1
 

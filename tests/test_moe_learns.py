@@ -14,11 +14,10 @@ STEPS, EVAL_PROMPTS = 20, 128
 
 @pytest.fixture(scope="module")
 def warm_moe(tmp_path_factory):
-    from megatron_dapo.demo import WARM_START, prepare_task
-    from megatron_dapo.demo.warm_start import supervised_warm_start
+    from megatron_dapo.demo import warm_task
 
     out = tmp_path_factory.mktemp("demo-moe")
-    supervised_warm_start(out / "base", out / "warm", prepare_task(out, seed=0, moe=True), seed=0, **WARM_START)
+    warm_task(out, seed=0, moe=True)
     assert json.loads((out / "warm" / "config.json").read_text())["architectures"] == ["Qwen3MoeForCausalLM"]
     return out
 

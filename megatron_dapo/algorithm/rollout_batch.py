@@ -55,6 +55,9 @@ class SamplingMetrics:
     response_len_mean: float  # over the settled groups' responses
     response_len_max: int
     truncation_rate: float  # fraction of the settled groups' responses cut off at max_response_len
+    # The entropy of the sampling distribution per token of the settled groups' responses, kept or dropped (the
+    # same tokens whatever the recipe keeps); None where the engine does not report it (Sample.entropy_sum).
+    rollout_entropy: float | None = None
 
     @property
     def filter_rate(self) -> float:
@@ -69,7 +72,7 @@ class SamplingMetrics:
         return _ratio(self.groups_all_wrong, self.groups_settled)
 
     def as_dict(self) -> dict[str, float]:
-        out = {k: float(v) for k, v in asdict(self).items()}
+        out = {k: float(v) for k, v in asdict(self).items() if v is not None}
         out.update(filter_rate=self.filter_rate, filter_rate_all_correct=self.filter_rate_all_correct,
                    filter_rate_all_wrong=self.filter_rate_all_wrong)
         return out

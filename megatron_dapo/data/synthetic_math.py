@@ -1,7 +1,8 @@
 """A built-in verifiable math task: integer arithmetic expressions, as DAPO-schema rows.
 
 Difficulty knobs: operand size (digits), the operations (+ - *, usual precedence) and the number of
-operands. Two prompt styles: "short" ("12+7*3=", for tiny models with short contexts) and "dapo"
+operands, fixed or drawn per row from a range (with steps=True the working then varies in length with the
+problem: one line per operation). Two prompt styles: "short" ("12+7*3=", for tiny models with short contexts) and "dapo"
 (DAPO-Math-17K's own instruction around the problem). Every row's extra_info carries a reference
 response ending in the "Answer: N" line the reward parses (with the working first if steps=True),
 for a supervised warm start.
@@ -23,10 +24,18 @@ DAPO_INSTRUCTION = (
 )
 
 
-def _check(n: int, digits: int, operations: str, num_operands: int, style: str) -> None:
-    for name, value, low in (("n", n, 1), ("digits", digits, 1), ("num_operands", num_operands, 2)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+def _whole(value, low: int) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int) and value >= low
+
+
+def _check(n: int, digits: int, operations: str, num_operands: int | tuple[int, int], style: str) -> None:
+    for name, value, low in (("n", n, 1), ("digits", digits, 1)):
+        if not _whole(value, low):
             raise DataError(f"generate_rows {name}: must be a whole number >= {low}, got {value!r}")
+    if not (_whole(num_operands, 2) or (isinstance(num_operands, tuple) and len(num_operands) == 2
+                                        and _whole(num_operands[0], 2) and _whole(num_operands[1], num_operands[0]))):
+        raise DataError(f"generate_rows num_operands: a whole number >= 2, or a range (low, high) with "
+                        f"2 <= low <= high, got {num_operands!r}")
     if digits > 9:
         raise DataError(f"generate_rows digits: at most 9, got {digits}")
     if not isinstance(operations, str) or not operations or set(operations) - set(OPERATIONS):
@@ -58,18 +67,21 @@ def answer_line(answer: str) -> str:
     return f"Answer: {answer}"
 
 
-def generate_rows(n: int, seed: int, *, digits: int = 2, operations: str = "+-", num_operands: int = 2,
-                  style: str = "short", steps: bool = False) -> list[dict]:
+def generate_rows(n: int, seed: int, *, digits: int = 2, operations: str = "+-",
+                  num_operands: int | tuple[int, int] = 2, style: str = "short", steps: bool = False) -> list[dict]:
     """n DAPO-schema rows of random expressions, determined by the arguments (a prefix for a smaller n).
 
-    Operands are drawn uniformly from [0, 10**digits); each operation uniformly from `operations`.
+    Operands are drawn uniformly from [0, 10**digits); each operation uniformly from `operations`; with a range
+    (low, high) of num_operands, each row's count uniformly from it, ends included.
     """
     _check(n, digits, operations, num_operands, style)
+    low, high = (num_operands, num_operands) if isinstance(num_operands, int) else num_operands
     rng = random.Random(seed)
     rows = []
     for index in range(n):
-        operands = [rng.randrange(10 ** digits) for _ in range(num_operands)]
-        ops = [rng.choice(operations) for _ in range(num_operands - 1)]
+        count = rng.randint(low, high) if high > low else low  # a fixed count draws nothing: rows as before
+        operands = [rng.randrange(10 ** digits) for _ in range(count)]
+        ops = [rng.choice(operations) for _ in range(count - 1)]
         expression = str(operands[0]) + "".join(f"{op}{b}" for op, b in zip(ops, operands[1:]))
         value, working = _evaluate(operands, ops)
         if style == "short":

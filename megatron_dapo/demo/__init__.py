@@ -1,8 +1,9 @@
 """The embedded demo (`megatron-dapo demo`, the README's main command): DAPO teaching a tiny model
 arithmetic on a laptop CPU in minutes, through the real pipeline.
 
-1. Data: the built-in synthetic task ("47+38=" -> "Answer: 85"), a training file and a held-out
-   file of different problems, in the DAPO-Math-17K schema.
+1. Data: a built-in synthetic task (demo/tasks.py: "sums", "47+38=" -> "Answer: 85", or "chain", sums of
+   up to 10 numbers worked line by line), a training file and a held-out file of different problems, in the
+   DAPO-Math-17K schema.
 2. A tiny random Qwen2 and a tokenizer trained on the task's text, saved as a Hugging Face folder.
 3. A short supervised warm start on reference solutions (allowed by the demo's spec): the policy
    learns the answer format and gets some sums right, so that groups have mixed correctness.
@@ -24,17 +25,15 @@ from megatron_dapo.data.held_out_split import split_held_out
 from megatron_dapo.data.prompt_encoding import encode_prompt
 from megatron_dapo.data.prompt_file import write_rows
 from megatron_dapo.data.synthetic_math import generate_rows
+from megatron_dapo.demo.tasks import demo_task
 from megatron_dapo.demo.tiny_model import make_tiny_model
 from megatron_dapo.demo.warm_start import supervised_warm_start
 
-TASK = dict(digits=2, operations="+", num_operands=2, style="short")
 NUM_ROWS, NUM_EVAL = 6000, 256
-WARM_START = dict(target_accuracy=0.3, max_steps=1500, check_every=50, lr=1e-3)
 DAPO = {
     "rollout": {"engine": "local", "temperature": 1.0},
     "reward": {"num_workers": 2, "timeout_s": 5.0, "tail_chars": 200},
-    "algorithm": {"batch_size": 32, "group_size": 8, "oversample_factor": 1.5, "max_sampling_rounds": 4,
-                  "max_response_len": 12, "overlong_cache_len": 4},
+    "algorithm": {"batch_size": 32, "group_size": 8, "oversample_factor": 1.5, "max_sampling_rounds": 4},
     # The in-process engine samples with the very weights being trained: its log-probs are pi_old's.
     "loss": {"eps_low": 0.2, "eps_high": 0.28, "old_logprobs": "rollout"},
     # warmup in rollout steps. One data-parallel rank: the distributed optimizer would shard nothing and its
@@ -46,18 +45,27 @@ DAPO = {
 }
 
 
-def prepare_task(out: Path, seed: int, moe: bool = False):
-    """The demo task in `out`: train.jsonl, eval.jsonl, the tiny random model (base/; a Qwen3-MoE with `moe`); the
-    warm start's pairs."""
-    rows = generate_rows(NUM_ROWS, seed, **TASK)
+def prepare_task(out: Path, seed: int, moe: bool = False, task: str = "sums"):
+    """The demo task `task` in `out`: train.jsonl, eval.jsonl, the tiny random model (base/; a Qwen3-MoE with
+    `moe`); the warm start's pairs."""
+    spec = demo_task(task)
+    rows = generate_rows(NUM_ROWS, seed, **spec.rows)
     train, held_out = split_held_out(rows, NUM_EVAL, seed)
     write_rows(out / "train.jsonl", train)
     write_rows(out / "eval.jsonl", held_out)
     corpus = [r["prompt"][0]["content"] + r["extra_info"]["solution"] for r in rows]
-    tokenizer = make_tiny_model(out / "base", corpus, seed=seed, moe=moe)
+    tokenizer = make_tiny_model(out / "base", corpus, seed=seed, moe=moe, max_positions=spec.max_positions)
     pairs = [(encode_prompt(tokenizer, r["prompt"]), tokenizer.encode(r["extra_info"]["solution"])
               + [tokenizer.eos_token_id]) for r in train]
     return pairs
+
+
+def warm_task(out: Path, seed: int, moe: bool = False, task: str = "sums", **warm_start) -> tuple[int, float]:
+    """prepare_task, then the supervised warm start of base/ into warm/ (the task's knobs, or `warm_start`'s where
+    given): (its steps, its sampled accuracy)."""
+    pairs = prepare_task(out, seed, moe, task)
+    knobs = {**demo_task(task).warm_start, **warm_start}
+    return supervised_warm_start(out / "base", out / "warm", pairs, seed=seed, **knobs)
 
 
 # The demo's DAPO recipe keys: clip-higher's bounds, and those of the switches GRPO turns off (which algorithm.preset
@@ -71,21 +79,26 @@ def without_recipe(cfg: dict) -> dict:
                       for section, keys in RECIPE_KEYS.items()}}
 
 
-def dapo_config(out: Path, model: Path, output_dir: Path, seed: int, moe: bool = False) -> dict:
-    """The DAPO phase's config (a dict in the YAML's shape) for the task in `out`, starting from `model`; with `moe`
-    (a mixture of experts) the trainer's routers replay the engine's routes, without a load-balancing loss."""
-    # 8192 tokens: a step's 256 responses (~17 tokens each) in one micro-batch when their log-probs are recomputed.
-    return {**DAPO, "model": {"path": str(model), "max_tokens_per_micro_batch": 8192,
+def dapo_config(out: Path, model: Path, output_dir: Path, seed: int, moe: bool = False, task: str = "sums") -> dict:
+    """The DAPO phase's config (a dict in the YAML's shape) for the task `task` in `out`, starting from `model`;
+    with `moe` (a mixture of experts) the trainer's routers replay the engine's routes, without a load-balancing
+    loss."""
+    spec = demo_task(task)
+    return {**DAPO, "model": {"path": str(model), "max_tokens_per_micro_batch": spec.max_tokens_per_micro_batch,
                               **({"moe_aux_loss_coef": 0.0} if moe else {})},
             "rollout": {**DAPO["rollout"], **({"routing_replay": True} if moe else {})},
+            "algorithm": {**DAPO["algorithm"], "max_response_len": spec.max_response_len,
+                          "overlong_cache_len": spec.overlong_cache_len},
             "data": {"train_path": str(out / "train.jsonl"), "eval_path": str(out / "eval.jsonl"), "seed": seed,
                      "max_prompt_len": 32},
             "train": {**DAPO["train"], "output_dir": str(output_dir)}}
 
 
-def run_demo(output_dir: str = "runs/demo", seed: int = 0, log_file: Path | None = None, moe: bool = False) -> int:
+def run_demo(output_dir: str = "runs/demo", seed: int = 0, log_file: Path | None = None, moe: bool = False,
+             task: str = "sums") -> int:
     """Run the demo in `output_dir`; `log_file`: where the entry point sends the full log (named in the report);
-    `moe`: the policy a tiny Qwen3-MoE (one process, so every expert on it: EP = 1), with routing replay."""
+    `moe`: the policy a tiny Qwen3-MoE (one process, so every expert on it: EP = 1), with routing replay; `task`:
+    one of demo/tasks.py's."""
     from megatron_dapo.parallel.runtime import free_port
     from megatron_dapo.run_config import load_config
     from megatron_dapo.trainer import DapoTrainer
@@ -95,15 +108,16 @@ def run_demo(output_dir: str = "runs/demo", seed: int = 0, log_file: Path | None
     out.mkdir(parents=True, exist_ok=True)
     times = {}
     start = time.perf_counter()
-    pairs = prepare_task(out, seed, moe)
+    pairs = prepare_task(out, seed, moe, task)
     times["data + tiny model"] = time.perf_counter() - start
     t = time.perf_counter()
-    steps, accuracy = supervised_warm_start(out / "base", out / "warm", pairs, seed=seed, **WARM_START)
+    steps, accuracy = supervised_warm_start(out / "base", out / "warm", pairs, seed=seed,
+                                            **demo_task(task).warm_start)
     times["supervised warm start"] = time.perf_counter() - t
     print(f"warm start: {steps} steps, sampled accuracy on training prompts {100 * accuracy:.1f} %", flush=True)
 
     # The run's config goes beside it: `megatron-dapo train OUT/dapo.yaml` repeats the DAPO phase alone.
-    (out / "dapo.yaml").write_text(yaml.safe_dump(dapo_config(out, out / "warm", out / "dapo", seed, moe),
+    (out / "dapo.yaml").write_text(yaml.safe_dump(dapo_config(out, out / "warm", out / "dapo", seed, moe, task),
                                                   sort_keys=False))
     cfg = load_config(out / "dapo.yaml")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")

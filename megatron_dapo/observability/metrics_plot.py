@@ -24,7 +24,7 @@ KEY_PANELS = {
     "accuracy and reward": ["accuracy", "reward_mean"],
     "held-out evaluation": ["eval/"],
     "response length": ["response_len_mean", "response_len_max"],
-    "entropy": ["entropy"],
+    "entropy": ["entropy", "rollout_entropy"],
     "clip fractions": ["clip_frac/"],
     "grad norm": ["grad_norm"],
     "step time split (s)": ["time/"],

@@ -149,6 +149,8 @@ class PolicyTrainer:
             logp, entropy = micro_batch_logprobs(logits, mb, self.spec.vocab_size, inplace_backward=True,
                                                  temperature=self.temperature)
             c = self.loss_cfg
+            # One weighted mask for both terms: truncated IS corrects the KL term's token mean as it does the
+            # policy gradient's (why: LossConfig.tis_cap).
             loss, stats = dapo_loss(logp, old_logp, advantages,
                                     mask if weight is None else torch.where(mask, weight, 0.0),
                                     eps_low=c.eps_low, eps_high=c.eps_high, normalizer=1.0, dual_clip_c=c.dual_clip_c,

@@ -20,7 +20,9 @@ Log-probs: each sampled token's log_softmax(logits / temperature) over the true 
 before the top_p cut: what SGLang returns by default, and what policy.forward.response_logprobs
 recomputes at the run's rollout.temperature (training refuses rollout.top_p < 1, where the sampled
 distribution is the renormalised nucleus instead). Greedy decoding (temperature below 1e-6) returns
-the argmax's log_softmax(logits), the temperature-1 log-prob, as SGLang does.
+the argmax's log_softmax(logits), the temperature-1 log-prob, as SGLang does. Each Sample also carries the
+sum of the entropies of those distributions over its tokens (Sample.entropy_sum): the policy's entropy on
+every token generated, kept or dropped, which SGLang does not return.
 
 Routes (a mixture of experts, `record_routes`): the experts each router chose for every position the engine ran
 through the model, prompt and output but for the last sampled token (never run), returned with each Sample as
@@ -59,10 +61,10 @@ def hf_eos_token_ids(hf_config: dict) -> list[int]:
 
 
 def sample_tokens(logits: torch.Tensor, params: SamplingParams,
-                  generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """A token per row of fp32 logits [rows, vocab], and its log-prob as SGLang returns it by default:
-    log_softmax(logits / temperature), before the top_p cut. Greedy (temperature below 1e-6): the argmax and its
-    log_softmax(logits)."""
+                  generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A token per row of fp32 logits [rows, vocab], its log-prob as SGLang returns it by default:
+    log_softmax(logits / temperature), before the top_p cut, and that distribution's entropy. Greedy (temperature
+    below 1e-6): the argmax, and log_softmax(logits) and its entropy."""
     if params.temperature < GREEDY_TEMPERATURE:
         token = logits.argmax(dim=-1)
         logp = torch.log_softmax(logits, dim=-1)
@@ -79,7 +81,8 @@ def sample_tokens(logits: torch.Tensor, params: SamplingParams,
         # kept off 0 so a token of probability 0 can never win.
         race = torch.empty_like(probs).exponential_(generator=generator).clamp_(min=torch.finfo(probs.dtype).tiny)
         token = (probs / race).argmax(dim=-1)
-    return token, logp.gather(1, token[:, None]).squeeze(1)
+    entropy = -(logp.exp() * logp).sum(dim=-1)
+    return token, logp.gather(1, token[:, None]).squeeze(1), entropy
 
 
 class LocalEngine:
@@ -193,6 +196,7 @@ class FinishedRow:
     logprobs: list[float]
     finish_reason: str
     routes: np.ndarray | None = None  # Sample.routes
+    entropy_sum: float | None = None  # Sample.entropy_sum
 
 
 class _DecodeBatch:
@@ -210,6 +214,7 @@ class _DecodeBatch:
             padded[i, : len(p)] = torch.tensor(p)
         self.tokens = padded.repeat_interleave(n, dim=0).to(dev)  # [rows, total]: prompt left-aligned, then samples
         self.logps = torch.zeros(self.tokens.shape, device=dev)  # at the position of each sampled token
+        self.entropies = torch.zeros(self.tokens.shape, device=dev)  # of the distribution it was sampled from
         ends = [] if params.ignore_eos else sorted({*params.stop_token_ids, *engine.eos_token_ids})
         self.stop_ids = torch.tensor(ends, dtype=torch.long, device=dev)
         self.last = torch.clamp(self.prompt_len + params.max_new_tokens, max=total) - 1  # last position per row
@@ -255,10 +260,11 @@ class _DecodeBatch:
 
     def _step(self) -> list[FinishedRow]:
         t, active = self.t, self.active
-        token, logp = sample_tokens(self.logits, self.params, self.engine.generator)
+        token, logp, entropy = sample_tokens(self.logits, self.params, self.engine.generator)
         sampled = t >= self.prompt_len[active]  # rows past their prompt; the others take their prompt token
         self.tokens[active, t] = torch.where(sampled, token, self.tokens[active, t])
         self.logps[active, t] = logp
+        self.entropies[active, t] = entropy
         stopped = sampled & torch.isin(token, self.stop_ids)
         done = self.live & (stopped | (sampled & (t == self.last[active])))
         finished = []
@@ -267,7 +273,8 @@ class _DecodeBatch:
             response = slice(int(self.prompt_len[r]), t + 1)
             routes = None if self.routes is None else self.routes[r, :t].cpu().numpy().astype(self.route_dtype)
             finished.append(FinishedRow(r, self.tokens[r, response].tolist(), self.logps[r, response].tolist(),
-                                        "stop" if stopped[i] else "length", routes))
+                                        "stop" if stopped[i] else "length", routes,
+                                        float(self.entropies[r, response].sum())))
         self.live &= ~done
         self.t += 1
         if not bool(self.live.any()):
@@ -327,7 +334,8 @@ class LocalGroupStream:
                     continue
                 group = pending.setdefault(p, [None] * n)
                 group[row.row % self.n] = Sample(p, row.output_ids, row.logprobs, row.finish_reason,
-                                                 self.weight_version, routes=row.routes)
+                                                 self.weight_version, routes=row.routes,
+                                                 entropy_sum=row.entropy_sum)
                 if None not in group:
                     if self.aborted:
                         return

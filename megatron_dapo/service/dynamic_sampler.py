@@ -1,7 +1,7 @@
 """DAPO's dynamic sampling: keep drawing prompts until the batch holds B groups of mixed correctness.
 
-A group whose G responses are all right or all wrong has zero advantages and teaches nothing, so it is
-dropped. Each round samples ceil(groups still needed x oversample_factor) prompts. The batch is exactly the
+A group whose G responses are all right or all wrong says nothing about what makes an answer right, so it is
+dropped (its advantages are 0, or with the overlong penalty on, set by the lengths alone). Each round samples ceil(groups still needed x oversample_factor) prompts. The batch is exactly the
 one a full synchronous generation would give: the first B mixed groups in the order the prompts were drawn
 (rounds continue that order), never the first B to complete, which would favour prompts with short responses.
 Generation still streams: a completed group is taken (kept or dropped) once every group drawn before it has
@@ -14,7 +14,8 @@ algorithm.max_sampling_rounds the step goes on with what was kept (and a warning
 batch trimmed from its end (in draw order) so that it divides across data-parallel ranks.
 
 With algorithm.dynamic_sampling off (GRPO) every group is usable: the batch is the first B groups drawn, groups
-without contrast included; only stale groups (rollout.mode async) are dropped and drawn again.
+without contrast included (their advantages 0, or the overlong penalty's alone); only stale groups (rollout.mode
+async) are dropped and drawn again.
 """
 
 from __future__ import annotations
@@ -255,6 +256,7 @@ class _Tally:
         self.groups = self.all_correct = self.all_wrong = 0
         self.samples = self.correct = self.truncated = self.len_sum = self.len_max = 0
         self.reward_sum = 0.0
+        self.entropy_sum: float | None = 0.0  # None once a response comes without its entropies
 
     def generated(self, group: ScoredGroup) -> None:
         self.generated_groups += 1
@@ -271,6 +273,8 @@ class _Tally:
         self.len_sum += sum(lens)
         self.len_max = max(self.len_max, *lens)
         self.reward_sum += float(group.rewards.sum())
+        entropies = [s.entropy_sum for s in group.samples]
+        self.entropy_sum = None if self.entropy_sum is None or None in entropies else self.entropy_sum + sum(entropies)
 
     def metrics(self, kept: list[ScoredGroup], trimmed: int) -> SamplingMetrics:
         kept_samples = sum(len(g.samples) for g in kept)
@@ -297,4 +301,5 @@ class _Tally:
             response_len_mean=per_sample(self.len_sum),
             response_len_max=self.len_max,
             truncation_rate=per_sample(self.truncated),
+            rollout_entropy=None if self.entropy_sum is None or not self.len_sum else self.entropy_sum / self.len_sum,
         )

@@ -64,11 +64,9 @@ def dapo_config(task: Path, out: Path, device: str, dtype: str, steps: int, seed
 
 def make_task(task: Path, seed: int) -> dict:
     """The demo's task and warm model in `task`; the warm start's figures."""
-    from megatron_dapo.demo import WARM_START, prepare_task
-    from megatron_dapo.demo.warm_start import supervised_warm_start
+    from megatron_dapo.demo import warm_task
 
-    steps, accuracy = supervised_warm_start(task / "base", task / "warm", prepare_task(task, seed), seed=seed,
-                                            **WARM_START)
+    steps, accuracy = warm_task(task, seed)
     return {"steps": steps, "accuracy": accuracy}
 
 
