@@ -2,8 +2,8 @@
 
 Difficulty knobs: operand size (digits), the operations (+ - *, usual precedence) and the number of
 operands, fixed or drawn per row from a range (with steps=True the working then varies in length with the
-problem: one line per operation). Two prompt styles: "short" ("12+7*3=", for tiny models with short contexts) and "dapo"
-(DAPO-Math-17K's own instruction around the problem). Every row's extra_info carries a reference
+problem: one line per operation). Two prompt styles: "short" ("12+7*3=", for tiny models with short contexts)
+and "dapo" (DAPO-Math-17K's own instruction around the problem). Every row's extra_info carries a reference
 response ending in the "Answer: N" line the reward parses (with the working first if steps=True),
 for a supervised warm start.
 """

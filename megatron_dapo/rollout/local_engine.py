@@ -68,10 +68,12 @@ def sample_tokens(logits: torch.Tensor, params: SamplingParams,
     if params.temperature < GREEDY_TEMPERATURE:
         token = logits.argmax(dim=-1)
         logp = torch.log_softmax(logits, dim=-1)
+        entropy = -(logp.exp() * logp).sum(dim=-1)
     else:
         scaled = logits / params.temperature
         logp = torch.log_softmax(scaled, dim=-1)
         probs = torch.softmax(scaled, dim=-1)
+        entropy = -(probs * logp).sum(dim=-1)  # before the top_p cut, like the log-probs
         if params.top_p < 1:
             # Keep the most likely tokens until their mass reaches top_p (SGLang's rule).
             sorted_probs, order = probs.sort(dim=-1, descending=True)
@@ -81,7 +83,6 @@ def sample_tokens(logits: torch.Tensor, params: SamplingParams,
         # kept off 0 so a token of probability 0 can never win.
         race = torch.empty_like(probs).exponential_(generator=generator).clamp_(min=torch.finfo(probs.dtype).tiny)
         token = (probs / race).argmax(dim=-1)
-    entropy = -(logp.exp() * logp).sum(dim=-1)
     return token, logp.gather(1, token[:, None]).squeeze(1), entropy
 
 

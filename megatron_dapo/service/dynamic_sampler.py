@@ -1,7 +1,8 @@
 """DAPO's dynamic sampling: keep drawing prompts until the batch holds B groups of mixed correctness.
 
 A group whose G responses are all right or all wrong says nothing about what makes an answer right, so it is
-dropped (its advantages are 0, or with the overlong penalty on, set by the lengths alone). Each round samples ceil(groups still needed x oversample_factor) prompts. The batch is exactly the
+dropped (its advantages are 0, or with the overlong penalty on, set by the lengths alone). Each round samples
+ceil(groups still needed x oversample_factor) prompts. The batch is exactly the
 one a full synchronous generation would give: the first B mixed groups in the order the prompts were drawn
 (rounds continue that order), never the first B to complete, which would favour prompts with short responses.
 Generation still streams: a completed group is taken (kept or dropped) once every group drawn before it has
