@@ -1,6 +1,8 @@
-"""The CPU stand-ins SGLang loads: the seeded sampler's MurmurHash3 against a plain scalar implementation."""
+"""The CPU stand-ins SGLang loads: the seeded sampler's MurmurHash3 against a plain scalar implementation; a CPU
+server's processes leave megatron-core unloaded."""
 
 import struct
+import subprocess
 import sys
 from pathlib import Path
 
@@ -35,3 +37,17 @@ def test_murmur_hash_of_seed_position_column_matches_the_reference():
         for c, col in enumerate(cols.tolist()):
             words = struct.pack("<IIII", s & 0xFFFFFFFF, (s >> 32) & 0xFFFFFFFF, p, col)
             assert int(got[r, c].item()) == murmur3_x86_32(words), (s, p, col)
+
+
+def test_a_cpu_servers_processes_do_not_load_megatron_core():
+    """SGLang's debug dumper imports megatron.core when it is installed (3.5 s of CPU in each of a server's three
+    processes at every start) and takes an ImportError for "not installed"; the shim's sitecustomize gives that
+    ImportError in a CPU server's environment, and only there."""
+    from megatron_dapo.rollout.sglang_server import SGLangServer, SGLangServerConfig
+
+    probe = "import sys\ntry:\n    import megatron.core\nexcept ImportError as e:\n    print('absent:', e)"
+    env = SGLangServer(SGLangServerConfig("m", device="cpu"), "log").environment()
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.startswith("absent: import of megatron.core halted"), out.stdout + out.stderr
+    gpu = SGLangServer(SGLangServerConfig("m", device="cuda"), "log").environment()
+    assert "cpu_shim" not in gpu.get("PYTHONPATH", "")

@@ -252,6 +252,22 @@ def test_the_checkpoint_writers_helper_starts_before_the_first_save():
     assert helper.empty()  # the warm-up result was taken back: the writer's first get() is its own
 
 
+def test_a_second_trainer_in_the_same_process_finds_the_writers_helper_running():
+    """One helper per process: the ablation's arms and the tests' in-process runs build trainer after trainer in
+    one process, and each used to spawn a helper of its own (2-3 s of CPU importing torch), leaving the one before
+    running until the process ended."""
+    import psutil
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    from megatron_dapo.checkpoint.mcore_checkpoint import start_writer_helper
+
+    start_writer_helper().join()
+    helper, children = filesystem_async._results_queue, psutil.Process().children(recursive=True)
+    start_writer_helper().join()
+    assert filesystem_async._results_queue is helper
+    assert psutil.Process().children(recursive=True) == children
+
+
 def test_the_checkpoint_writers_helper_ends_with_a_killed_trainer():
     """A trainer rank killed (torchrun stopping a stuck run, the OOM killer) leaves no helper process behind."""
     import signal

@@ -35,11 +35,18 @@ def _exit_with_parent(parent_pid: int) -> None:
     threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
 
 
+_writer_helper: threading.Thread | None = None  # this process's, once started
+
+
 def start_writer_helper() -> threading.Thread:
     """Start, in the background, the helper process megatron-core's checkpoint writer (torch_dist) hands its
     results through; join the thread before the first save. Otherwise the writer spawns it at its first save,
     and the helper imports torch when it unpickles the first results: seconds on the step that checkpoints; and
-    nothing ends it when the trainer is killed. One per process, kept for the rest of it."""
+    nothing ends it when the trainer is killed. One per process, kept for the rest of it: a trainer built after
+    another in the same process (the ablation's arms, in-process test runs) finds it started."""
+    global _writer_helper
+    if _writer_helper is not None:
+        return _writer_helper
     from megatron.core.dist_checkpointing.strategies import filesystem_async
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import MetadataIndex
@@ -54,9 +61,9 @@ def start_writer_helper() -> threading.Thread:
         queue.get()
         filesystem_async._results_queue = queue  # the writer's, found in place at its first save
 
-    thread = threading.Thread(target=start, name="checkpoint-writer-helper", daemon=True)
-    thread.start()
-    return thread
+    _writer_helper = threading.Thread(target=start, name="checkpoint-writer-helper", daemon=True)
+    _writer_helper.start()
+    return _writer_helper
 
 
 def save_model(model: torch.nn.Module, directory) -> None:

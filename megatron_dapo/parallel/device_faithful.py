@@ -30,19 +30,23 @@ from __future__ import annotations
 
 import inspect
 import os
+import weakref
 
 import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.weak import WeakIdKeyDictionary
 
 from megatron_dapo.ops.host_sync import current_region
 
 ENV = "MEGATRON_DAPO_DEVICE_FAITHFUL"
 
 DEVICE, HOST = True, False
-_place: WeakIdKeyDictionary = WeakIdKeyDictionary()  # untyped storage -> DEVICE / HOST; absent: unknown
+# id(untyped storage) -> (a weak reference to it, DEVICE / HOST); absent or dead: unknown. Looked up on every op:
+# a plain dict checked through the reference (an id outlives its storage and may be reused) takes a third of the
+# time of torch's WeakIdKeyDictionary, which builds a weak reference for each lookup.
+_place: dict[int, tuple[weakref.ref, bool]] = {}
+_purge_above = [1 << 16]  # entries of dead storages are dropped when the table outgrows this
 _host_groups: set[str] = set()  # names of process groups that stay gloo on GPUs
 _local = [0]  # this process's GPU ordinal (LOCAL_RANK)
 
@@ -65,7 +69,10 @@ def _storage(t: torch.Tensor):
 
 def place(t: torch.Tensor) -> bool | None:
     s = _storage(t)
-    return None if s is None else _place.get(s)
+    if s is None:
+        return None
+    entry = _place.get(id(s))
+    return entry[1] if entry is not None and entry[0]() is s else None
 
 
 def is_device(t: torch.Tensor) -> bool:
@@ -75,8 +82,17 @@ def is_device(t: torch.Tensor) -> bool:
 def _set(t: torch.Tensor, where: bool) -> torch.Tensor:
     s = _storage(t)
     if s is not None:
-        _place[s] = where
+        _place[id(s)] = (weakref.ref(s), where)
+        if len(_place) > _purge_above[0]:
+            _purge()
     return t
+
+
+def _purge() -> None:
+    """Drop the entries of storages that are gone; the next purge waits until the table has doubled (amortised)."""
+    for key in [key for key, (ref, _) in _place.items() if ref() is None]:
+        del _place[key]
+    _purge_above[0] = max(1 << 16, 2 * len(_place))
 
 
 def mark_device(t: torch.Tensor) -> torch.Tensor:
@@ -84,12 +100,23 @@ def mark_device(t: torch.Tensor) -> torch.Tensor:
     return _set(t, DEVICE)
 
 
-def _tensors(values):
+def _tensors(values) -> list[torch.Tensor]:
+    """The tensors among `values` and in their lists and tuples (a list, not a generator: this runs on every op)."""
+    found = []
     for v in values:
         if isinstance(v, torch.Tensor):
-            yield v
+            found.append(v)
         elif isinstance(v, (list, tuple)):
-            yield from (x for x in v if isinstance(x, torch.Tensor))
+            found.extend(x for x in v if isinstance(x, torch.Tensor))
+    return found
+
+
+def _has_tensor(values) -> bool:
+    for v in values:
+        if isinstance(v, torch.Tensor) or (isinstance(v, (list, tuple))
+                                           and any(isinstance(x, torch.Tensor) for x in v)):
+            return True
+    return False
 
 
 def is_cuda_device(device) -> bool:
@@ -173,7 +200,7 @@ class FaithfulFunctionMode(TorchFunctionMode):
             kwargs = {**kwargs, "pin_memory": False}
         out = func(*args, **kwargs)
         if isinstance(out, torch.Tensor) and (device is not None or func in _NEW_TENSOR_FUNCS
-                                              or not any(True for _ in _tensors(args))):
+                                              or not _has_tensor(args)):
             inputs = {id(_storage(t)) for t in _tensors(args)}
             if id(_storage(out)) not in inputs:  # a new tensor: not a view of an input
                 if device is not None:
@@ -319,7 +346,7 @@ class DeviceCheckMode(TorchDispatchMode):
             if before is not None and place(args[0]) is None:  # a storage of no place (unpickled) takes the
                 _set(args[0], before)  # tensor's: torch.load and pickle make it a host tensor, then set it there
             return out
-        tensors = list(_tensors(args)) + list(_tensors(kwargs.values()))
+        tensors = _tensors(args) + _tensors(kwargs.values()) if kwargs else _tensors(args)
         if not tensors:
             return func(*args, **kwargs)
         places = [place(t) for t in tensors]
