@@ -39,6 +39,20 @@ def test_tensors_say_where_a_gpu_run_keeps_them(faithful):
     assert dev.type() == "torch.cuda.FloatTensor" and torch.zeros(1).type() == "torch.FloatTensor"
 
 
+def test_places_of_freed_storages_are_dropped_and_live_ones_kept(faithful, monkeypatch):
+    """The place table is keyed by storage id: the entries of freed storages go when it outgrows its bound (an id
+    may be reused by a new storage, which must not inherit the old place), and a live tensor keeps its place."""
+    from megatron_dapo.parallel import device_faithful
+
+    monkeypatch.setattr(device_faithful, "_PURGE_FLOOR", 64)
+    monkeypatch.setattr(device_faithful, "_purge_above", [64])
+    kept = torch.zeros(3, device="cuda")
+    for _ in range(200):
+        (torch.ones(4, device="cuda") * 2).sum()  # device tensors made and freed at once
+    assert len(device_faithful._place) <= 2 * 64
+    assert kept.is_cuda and (kept + 1).is_cuda and not torch.ones(2).is_cuda
+
+
 class _AllocatesInBackward(torch.autograd.Function):
     """As megatron-core's all-to-all and sequence-parallel backward do: a buffer on torch.cuda.current_device()."""
 

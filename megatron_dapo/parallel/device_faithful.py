@@ -46,7 +46,8 @@ DEVICE, HOST = True, False
 # a plain dict checked through the reference (an id outlives its storage and may be reused) takes a third of the
 # time of torch's WeakIdKeyDictionary, which builds a weak reference for each lookup.
 _place: dict[int, tuple[weakref.ref, bool]] = {}
-_purge_above = [1 << 16]  # entries of dead storages are dropped when the table outgrows this
+_PURGE_FLOOR = 1 << 16
+_purge_above = [_PURGE_FLOOR]  # entries of dead storages are dropped when the table outgrows this
 _host_groups: set[str] = set()  # names of process groups that stay gloo on GPUs
 _local = [0]  # this process's GPU ordinal (LOCAL_RANK)
 
@@ -89,10 +90,12 @@ def _set(t: torch.Tensor, where: bool) -> torch.Tensor:
 
 
 def _purge() -> None:
-    """Drop the entries of storages that are gone; the next purge waits until the table has doubled (amortised)."""
-    for key in [key for key, (ref, _) in _place.items() if ref() is None]:
-        del _place[key]
-    _purge_above[0] = max(1 << 16, 2 * len(_place))
+    """Drop the entries of storages that are gone; the next purge waits until the table has doubled (amortised).
+    The items are copied in one call (atomic under the GIL): another thread may tag tensors meanwhile."""
+    for key, (ref, _) in list(_place.items()):
+        if ref() is None:
+            _place.pop(key, None)
+    _purge_above[0] = max(_PURGE_FLOOR, 2 * len(_place))
 
 
 def mark_device(t: torch.Tensor) -> torch.Tensor:
