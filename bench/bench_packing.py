@@ -7,6 +7,8 @@ layout:
 - micro-batches per step;
 - tokens/s of a training step (forward + backward + optimizer; real tokens, prompts and responses), the median of
   --steps after a warm-up step, the layouts' steps taken in turn, and the line `packed / padded tokens/s: X.XXx`;
+- on a GPU, MFU: the model FLOPs of the real tokens (bench_train_step.py's count) per second over the GPU's dense
+  bf16 peak, so that what is spent on padding counts as lost;
 - the step's peak memory: on a GPU torch.cuda.max_memory_allocated; on the CPU the process's peak resident memory
   over the step (VmHWM, reset before it: both layouts' models and optimizers, and the allocator's cache, count);
 - the first step's loss (both start from the same weights: equal up to rounding);
@@ -16,7 +18,7 @@ plain split would), by the greedy longest-first deal this project had before, an
 Karmarkar-Karp deal.
 
     python bench/bench_packing.py [--device cpu] [--prompts 8] [--max-response 1024] [--steps 3]
-    python bench/bench_packing.py --device cuda --prompts 32 --max-response 8192   # Qwen2.5-1.5B's shape
+    python bench/bench_packing.py --device cuda --prompts 8 --max-response 4096    # Qwen2.5-1.5B's shape
     python bench/bench_packing.py --tiny                                           # the suite's size
 """
 
@@ -35,6 +37,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+from bench_train_step import PEAK_BF16_TFLOPS, step_flops  # noqa: E402
 from model_shapes import model_folder  # noqa: E402
 
 GROUP = 16
@@ -153,6 +156,9 @@ def main() -> int:
     parser.add_argument("--dp", type=int, default=2, help="data-parallel ranks for the balance figures")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("no CUDA device: nothing to measure")
+        return 0
     if args.tiny:
         args.prompts, args.max_response, args.steps = min(args.prompts, 2), min(args.max_response, 96), 1
 
@@ -181,10 +187,14 @@ def main() -> int:
     print(f"{len(shape)} sequences ({args.prompts} prompts x {GROUP}), {sum(tokens)} tokens, {min(tokens)}-"
           f"{max(tokens)} each (responses capped at {args.max_response}); {spec.num_layers} layers x "
           f"{spec.hidden_size} wide, {dtype}, {runtime.device.type}; {budget} tokens per micro-batch")
-    print(f"{'layout':<8}{'padding':>9}{'micro-batches':>15}{'tokens/s':>11}{'step s':>9}{'peak GB':>9}{'loss':>11}")
+    gpu = torch.cuda.get_device_name(runtime.device) if runtime.device.type == "cuda" else ""
+    peak = next((v for k, v in PEAK_BF16_TFLOPS.items() if k in gpu), None)
+    print(f"{'layout':<8}{'padding':>9}{'micro-batches':>15}{'tokens/s':>11}{'step s':>9}{'MFU %':>7}{'peak GB':>9}"
+          f"{'loss':>11}")
     for name, r in rows.items():
+        mfu = f"{100 * step_flops(spec, shape) / r['step_s'] / 1e12 / peak:.1f}" if peak else "-"
         print(f"{name:<8}{r['padding']:>9.3f}{r['micro_batches']:>15}{r['tokens_per_s']:>11.0f}{r['step_s']:>9.3f}"
-              f"{r['peak_gb']:>9.2f}{r['loss']:>11.6f}")
+              f"{mfu:>7}{r['peak_gb']:>9.2f}{r['loss']:>11.6f}")
     print(f"packed / padded tokens/s: {rows['packed']['tokens_per_s'] / rows['padded']['tokens_per_s']:.2f}x")
     print(f"max / mean tokens per rank at DP = {args.dp}: "
           + ", ".join(f"{name} {value:.4f}" for name, value in balance(shape, args.dp).items()))

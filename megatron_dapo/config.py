@@ -39,6 +39,7 @@ class ParallelConfig:
 
     tensor_parallel: int = 1
     pipeline_parallel: int = 1
+    # Each sequence cut over this many ranks (policy/context_parallel.py): for sequences longer than one GPU holds.
     context_parallel: int = 1
     expert_parallel: int = 1
     # Megatron's sequence parallelism: the activations outside attention and the MLP (norms, residuals, the
@@ -61,8 +62,6 @@ class ParallelConfig:
             _whole(getattr(self, key), f"parallel.{key}", 1)
         _positive(self.heartbeat_timeout_s, "parallel.heartbeat_timeout_s")
         _require(self.device in ("cuda", "cpu"), "parallel.device", f"must be 'cuda' or 'cpu', got {self.device!r}")
-        _require(self.context_parallel == 1, "parallel.context_parallel",
-                 f"context parallelism is not supported yet, got {self.context_parallel}; set it to 1")
         _require(isinstance(self.sequence_parallel, bool), "parallel.sequence_parallel",
                  f"must be true or false, got {self.sequence_parallel!r}")
         _require(not self.sequence_parallel or self.tensor_parallel > 1, "parallel.sequence_parallel",

@@ -57,9 +57,9 @@ class DapoConfig:
     def __post_init__(self):
         p, r = self.parallel, self.rollout
         if r.engine == "local":
-            _require(p.tensor_parallel == 1 and p.pipeline_parallel == 1, "rollout.engine",
+            _require(p.tensor_parallel == 1 and p.pipeline_parallel == 1 and p.context_parallel == 1, "rollout.engine",
                      "'local' samples from the policy in-process and needs parallel.tensor_parallel = "
-                     "parallel.pipeline_parallel = 1; use 'sglang' for split models")
+                     "parallel.pipeline_parallel = parallel.context_parallel = 1; use 'sglang' for split models")
         if r.engine == "sglang" and r.weight_sync == "tensor":
             _require(r.server_tensor_parallel == 1 and r.num_servers == 1, "rollout.weight_sync",
                      "'tensor' (colocated) pushes to one server at TP 1; use 'distributed' or 'disk'")

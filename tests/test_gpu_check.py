@@ -138,14 +138,15 @@ def test_run_sh_runs_every_step_and_tabulates_failures(source_copy, tmp_path):
     assert list(rows) == ["build megatron_dapo._C", "install wheels", "fused op CUDA tests", "fused op benchmark",
                           "fused op host overhead", "policy bf16 vs transformers",
                           "MoE bf16 vs transformers (EP = 1)", "DAPO end to end (1 GPU)",
-                          "train step (Qwen2.5-1.5B shape)", "weight export (Qwen2.5-1.5B shape)",
+                          "train step (Qwen2.5-1.5B shape)", "packed vs padded step (Qwen2.5-1.5B shape)",
+                          "weight export (Qwen2.5-1.5B shape)",
                           "train step fusions", "log-prob memory benchmark",
                           "attention memory at 22.5k tokens"], rows
     assert rows.pop("DAPO end to end (1 GPU)") == "FAIL (exit 2)"
     assert set(rows.values()) == {"PASS"}, rows
     summary = (tmp_path / "out" / "gpu_check.md").read_text()
     assert "skipped" in summary and "installed already: megatron-core" in summary
-    assert len(list((tmp_path / "out").glob("*.log"))) == 13
+    assert len(list((tmp_path / "out").glob("*.log"))) == 14
 
 
 @pytest.mark.slow

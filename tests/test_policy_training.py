@@ -16,6 +16,8 @@ RECOMPUTE = ["tp2-pp1-dp1-mb200-r", "tp1-pp2-dp1-mb200-r"]  # model.activation_r
 SAMPLE_BASE, SAMPLE_SPLIT = "tp1-pp1-dp1-mb100000-s", "tp1-pp1-dp2-mb62-s"  # loss.aggregation: sample
 # model.packing: whole sequences end to end (p), against the padded BASE; with SP at TP2 (sp)
 PACKED = ["tp1-pp1-dp1-mb100000-p", "tp1-pp1-dp2-mb62-p", "tp2-pp1-dp1-mb200-p-sp", "tp1-pp2-dp1-mb200-r-p"]
+# parallel.context_parallel = 2 (policy/context_parallel.py): padded blocks with a micro-batch split, and packed
+CONTEXT = ["tp1-pp1-dp1-mb64-cp", "tp1-pp1-dp1-mb100000-p-cp"]
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +25,7 @@ def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("train")
     torchrun("train_worker.py", 1, str(out), "1,1,100000", "1,1,100000,s", "1,1,100000,p", "tis", "bf16")
     torchrun("train_worker.py", 2, str(out), "1,1,62", "1,1,62,s", "2,1,200", "1,2,200", "2,1,200,r", "1,2,200,r",
-             "1,1,62,p", "2,1,200,p,sp", "1,2,200,r,p", "adam", "nan")
+             "1,1,62,p", "2,1,200,p,sp", "1,2,200,r,p", "1,1,64,cp", "1,1,100000,p,cp", "adam", "nan")
 
     def load(tag):
         deltas = {}
@@ -31,7 +33,8 @@ def runs(tmp_path_factory):
             deltas.update(torch.load(f))
         return json.loads((out / f"{tag}.json").read_text()), deltas
 
-    return {**{tag: load(tag) for tag in [BASE, *SPLITS, *RECOMPUTE, *PACKED, SAMPLE_BASE, SAMPLE_SPLIT, "adam"]},
+    return {**{tag: load(tag) for tag in [BASE, *SPLITS, *RECOMPUTE, *PACKED, *CONTEXT, SAMPLE_BASE, SAMPLE_SPLIT,
+                                          "adam"]},
             **{k: json.loads((out / f"{k}.json").read_text()) for k in ("tis", "nan", "bf16")}}
 
 
@@ -68,7 +71,19 @@ def test_packed_micro_batches_hold_the_real_tokens_of_whole_sequences(runs):
     assert runs["tp1-pp1-dp2-mb62-p"][0]["micro_batches_per_rank"] == [2, 3]
 
 
-@pytest.mark.parametrize("split", SPLITS + RECOMPUTE + PACKED)
+@pytest.mark.parametrize("split", CONTEXT)
+def test_context_parallel_logprobs_and_entropies_are_the_unsplit_ones(runs, split):
+    """Each CP rank computes its chunks of every sequence; gathered back they are CP = 1's, token by token, on both
+    ranks."""
+    base, other = runs[BASE][0]["logprobs"], runs[split][0]["logprobs"]
+    assert [len(lp) for lp, _ in other] == [len(lp) for lp, _ in base] == [20, 41, 4, 60, 13, 30, 9, 25]
+    for (lp, en), (lp0, en0) in zip(other, base):
+        assert torch.tensor(lp) == pytest.approx(torch.tensor(lp0), abs=1e-5)
+        assert torch.tensor(en) == pytest.approx(torch.tensor(en0), abs=1e-5)
+    assert runs[split][0]["logprobs_on_every_rank"]
+
+
+@pytest.mark.parametrize("split", SPLITS + RECOMPUTE + PACKED + CONTEXT)
 def test_one_step_is_the_same_whatever_the_split(runs, split):
     base_meta, base = runs[BASE]
     meta, other = runs[split]

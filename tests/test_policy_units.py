@@ -102,7 +102,7 @@ def test_query_groups_must_divide_by_tp():
 @pytest.mark.parametrize("kw,message", [
     (dict(tensor_parallel=0), "parallel.tensor_parallel"),
     (dict(device="tpu"), "parallel.device"),
-    (dict(context_parallel=2), "parallel.context_parallel"),
+    (dict(context_parallel=0), "parallel.context_parallel"),
 ])
 def test_bad_parallel_config(kw, message):
     with pytest.raises(ConfigError, match=message):

@@ -138,6 +138,27 @@ def test_activation_recompute_fits_the_32b_config_in_80gb():
     assert "model.activation_recompute: full:" not in off
 
 
+def test_context_parallelism_splits_each_micro_batch_and_the_optimizer_state():
+    """At CP = 2 on twice the GPUs (the same DP): a rank holds half of each micro-batch's activations, plus the keys
+    and values it gathers from the other half, and half the optimizer state."""
+    from megatron_dapo.preflight.estimate import activation_bytes, trainer_layout, trainer_memory
+
+    cfg, with_cp = load_config(QWEN_32B), load_config(QWEN_32B, ["parallel.context_parallel=2"])
+    spec, _ = model_architecture(cfg.model.path)
+    layout = trainer_layout(cfg, spec, None)
+    split = trainer_layout(with_cp, spec, 2 * layout.gpus)
+    assert split.data_parallel == layout.data_parallel
+    (before, _), (after, _) = trainer_memory(cfg, spec, layout), trainer_memory(with_cp, spec, split)
+    assert after.optimizer == pytest.approx(before.optimizer / 2) and after.weights == before.weights
+    tokens, in_flight, h = cfg.model.max_tokens_per_micro_batch, 2, spec.hidden_size
+    gathered = 2 * 2 * spec.num_query_groups * spec.head_dim / 8 / 2  # bf16 K and V at TP8, the other CP rank's
+    assert after.activations == pytest.approx(2 * h * tokens / 2 * 32 * in_flight  # the layers' inputs, half each
+                                              + activation_bytes(spec, 8, 2) * tokens / 2 + gathered * tokens)
+    assert after.activations < 0.6 * before.activations
+    assert f"{2 * layout.gpus} GPUs = TP8 x PP2 x CP2 x DP{layout.data_parallel}" in \
+        preflight(with_cp, Hardware(gpus=2 * layout.gpus)).text
+
+
 def test_a_kl_term_adds_the_reference_policys_weights():
     """A KL term (algorithm.preset grpo keeps one) holds a reference policy: a second copy of each stage's weights."""
     from megatron_dapo.preflight.estimate import trainer_layout, trainer_memory

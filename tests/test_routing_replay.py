@@ -1,6 +1,7 @@
 """Routing replay under torchrun (gloo, 4 CPU processes): a tiny Qwen3-MoE's routers take each token's given experts
 (random ones, not their own) in the log-prob recompute and in training, at (TP, EP, PP) layouts with a micro-batch
-split, sequence parallelism and pipeline parallelism with activation recompute."""
+split, sequence parallelism, pipeline parallelism with activation recompute, and context parallelism with sequence
+parallelism over packed micro-batches."""
 
 import json
 
@@ -9,7 +10,7 @@ import torch
 from torchrun_launch import torchrun
 
 BASE = "tp1-ep1-pp1-mb100000"
-LAYOUTS = [BASE, "tp1-ep2-pp1-mb62", "tp2-ep2-pp1-sp-mb200", "tp1-ep2-pp2-mb200-r"]
+LAYOUTS = [BASE, "tp1-ep2-pp1-mb62", "tp2-ep2-pp1-sp-mb200", "tp1-ep2-pp2-mb200-r", "tp2-ep2-pp1-sp-mb130-cp2-p"]
 
 
 @pytest.fixture(scope="module")

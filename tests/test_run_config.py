@@ -69,7 +69,7 @@ def test_overrides_are_read_as_yaml():
     ("train.checkpoint_timeout_s=0", "train.checkpoint_timeout_s: must be a number > 0"),
     ("parallel.tensor_parallel=0", "parallel.tensor_parallel"),
     ("parallel.device=tpu", "parallel.device"),
-    ("parallel.context_parallel=2", "parallel.context_parallel"),
+    ("parallel.context_parallel=0", "parallel.context_parallel"),
     ("train.steps=0", "train.steps"),
     ("train.keep_last=0", "train.keep_last"),
     ("train.resume=maybe", "train.resume: must be bool"),
@@ -89,6 +89,7 @@ def test_bad_values_name_their_key(override, key):
 
 @pytest.mark.parametrize("overrides,key", [
     (["rollout.engine=local", "parallel.tensor_parallel=2"], "rollout.engine"),
+    (["rollout.engine=local", "parallel.context_parallel=2"], "rollout.engine: .* parallel.context_parallel = 1"),
     (["rollout.weight_sync=tensor", "rollout.num_servers=2"], "rollout.weight_sync"),
     (["train.updates_per_step=20", "algorithm.batch_size=2", "algorithm.group_size=4"], "train.updates_per_step"),
     (["rollout.colocate=true", "rollout.engine=local"], "rollout.colocate: .* set rollout.colocate to false"),

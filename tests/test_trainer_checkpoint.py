@@ -30,7 +30,8 @@ from megatron_dapo.policy.hf_config import ModelSpec
 LAYOUTS = {"tp2-pp1-dp1": "2,1", "tp1-pp2-dp1": "1,2", "tp1-pp1-dp2": "1,1", "tp1-pp2-dp1-nodist": "1,2,nodist",
            "tp1-pp1-dp2-bf16": "1,1,bf16", "tp1-pp1-dp2-nodist-bf16": "1,1,nodist,bf16",
            "tp1-pp1-dp2-bf16-llama": "1,1,bf16,llama", "tp1-pp1-dp2-nodist-bf16-llama": "1,1,nodist,bf16,llama",
-           "tp1-pp1-dp2-bf16-ep2-moe": "1,1,bf16,moe"}  # a Qwen3-MoE, its 4 experts over 2 expert-parallel ranks
+           "tp1-pp1-dp2-bf16-ep2-moe": "1,1,bf16,moe",  # a Qwen3-MoE, its 4 experts over 2 expert-parallel ranks
+           "tp1-pp1-cp2-dp1-bf16": "1,1,bf16,cp"}  # context parallelism: the optimizer state split over CP
 # of the 4-layer tiny models (Llama has no qkv biases; the Qwen3-MoE has 3 layers of a router and 4 experts)
 HF_TENSORS = {"qwen2": 51, "llama": 39, "moe": 77}
 RESHARD = ("1,2", "tp2-pp1-dp1")  # resumed at TP=1 x PP=2 from the TP=2 checkpoint

@@ -10,7 +10,9 @@ reaches its tokens, and rotary positions start at 0 in every row. Sequences are 
 similar length share a block; the budget counts rows x length.
 
 With sequence parallelism a micro-batch's length is padded up to a multiple of the tensor-parallel size, which
-splits it (packed: one tail of padding, a sequence of its own).
+splits it (packed: one tail of padding, a sequence of its own). With context parallelism every sequence is cut over
+the CP ranks (policy/context_parallel.py): a padded block's length, and each sequence of a pack, is padded to a
+multiple of 2 x CP (the padding after a sequence is part of it: no response position, reached by no earlier token).
 """
 
 from __future__ import annotations
@@ -48,6 +50,11 @@ class MicroBatch:
     # Packed (one row): the offsets where each sequence starts and the row's end, [sequences + 1] (a padding tail,
     # if any, counts as a sequence); None for a padded block
     cu_seqlens: list[int] | None = None
+    # A context-parallel rank's share (policy/context_parallel.py): which of the micro-batch's response tokens each
+    # of response_positions is, and each position's place in its sequence; None: all of them in order, and
+    # positions counted from each row's or sequence's start.
+    response_order: torch.Tensor | None = None
+    position_ids: torch.Tensor | None = None
 
     @property
     def num_response_tokens(self) -> int:
@@ -77,10 +84,12 @@ def padded_length(length: int, multiple: int) -> int:
 
 
 def plan_micro_batches(lengths: list[int], max_tokens: int, length_multiple: int = 1,
-                       count: int | None = None, packed: bool = False) -> list[list[int]]:
-    """Group sequence indices so that each micro-batch's tokens (packed: the sum of the lengths; padded: rows x
-    max length), padded to `length_multiple`, stay within max_tokens. With `count`, at least that many (see
-    at_least)."""
+                       count: int | None = None, packed: bool = False, sequence_multiple: int = 1) -> list[list[int]]:
+    """Group sequence indices so that each micro-batch's tokens (packed: the sum of the lengths, each padded to
+    `sequence_multiple`; padded: rows x max length), padded to `length_multiple`, stay within max_tokens. With
+    `count`, at least that many (see at_least)."""
+    if packed:
+        lengths = [padded_length(n, sequence_multiple) for n in lengths]
     groups = (_plan_packed if packed else _plan)(lengths, max_tokens, length_multiple)
     return groups if count is None else at_least(groups, count)
 
@@ -138,13 +147,15 @@ def _plan_packed(lengths: list[int], max_tokens: int, length_multiple: int) -> l
     return [sorted(p) for p in packs]
 
 
-def make_packed_micro_batch(sequences: list[Sequence], index: list[int], length_multiple: int = 1) -> MicroBatch:
-    """Sequences `index` end to end in one row (a padding tail up to `length_multiple`); for no sequences, a filler:
-    one sequence of padding, no response position."""
+def make_packed_micro_batch(sequences: list[Sequence], index: list[int], length_multiple: int = 1,
+                            sequence_multiple: int = 1) -> MicroBatch:
+    """Sequences `index` end to end in one row, each padded to `sequence_multiple` (a padding tail up to
+    `length_multiple`, itself a multiple of `sequence_multiple`); for no sequences, a filler: one sequence of
+    padding, no response position."""
     rows = [sequences[i] for i in index]
     starts = [0]
     for s in rows:
-        starts.append(starts[-1] + s.tokens.numel())
+        starts.append(starts[-1] + padded_length(s.tokens.numel(), sequence_multiple))
     total = padded_length(max(starts[-1], 1), length_multiple)
     cu = starts + [total] if total > starts[-1] else starts
     input_ids = torch.zeros(total, dtype=torch.long)
@@ -156,10 +167,13 @@ def make_packed_micro_batch(sequences: list[Sequence], index: list[int], length_
         targets[a:a + n - 1] = s.tokens[1:]  # each sequence's last position predicts nothing of it
         positions.append(torch.arange(a + s.prompt_len - 1, a + n - 1))
     missing = [i for i, s in zip(index, rows) if s.routes is None]
-    # One row of routes: a sequence whose last token's row was left out gets a filler row there (experts 0..k-1:
-    # what that position computes reaches no loss, and no later sequence: attention stays within each)
-    routes = _routes([torch.cat([_routes([s.routes], s.tokens.numel())[0] for s in rows])], total) \
-        if rows and not missing else None
+    # One row of routes: the rows a sequence's routes leave out (its last token's, its padding) are filler rows
+    # (experts 0..k-1: what those positions compute reaches no loss, and no later sequence: attention stays within
+    # each)
+    routes = None
+    if rows and not missing:
+        routes = _routes([torch.cat([_routes([s.routes], b - a)[0] for s, a, b in zip(rows, starts, starts[1:])])],
+                         total)
     return MicroBatch(input_ids.unsqueeze(0), targets,
                       torch.cat(positions) if positions else torch.zeros(0, dtype=torch.long), list(index),
                       [s.response_len for s in rows], routes, missing, cu)
@@ -199,15 +213,21 @@ def _routes(per_row: list[torch.Tensor], length: int) -> torch.Tensor:
 
 
 def micro_batches(sequences: list[Sequence], max_tokens: int, length_multiple: int = 1,
-                  count: int | None = None, packed: bool = False) -> list[MicroBatch]:
-    """`length_multiple`: what each micro-batch's length must divide by (sequence_multiple of the model); `count`:
-    the fewest micro-batches (at_least); `packed`: one row each (make_packed_micro_batch), else padded blocks."""
-    plan = plan_micro_batches([s.tokens.numel() for s in sequences], max_tokens, length_multiple, count, packed)
-    make = make_packed_micro_batch if packed else make_micro_batch
-    return [make(sequences, idx, length_multiple) for idx in plan]
+                  count: int | None = None, packed: bool = False, sequence_multiple: int = 1) -> list[MicroBatch]:
+    """`length_multiple`, `sequence_multiple`: what each micro-batch's length and each packed sequence's must divide
+    by (layout_multiples of the model); `count`: the fewest micro-batches (at_least); `packed`: one row each
+    (make_packed_micro_batch), else padded blocks."""
+    plan = plan_micro_batches([s.tokens.numel() for s in sequences], max_tokens, length_multiple, count, packed,
+                              sequence_multiple)
+    if packed:
+        return [make_packed_micro_batch(sequences, idx, length_multiple, sequence_multiple) for idx in plan]
+    return [make_micro_batch(sequences, idx, length_multiple) for idx in plan]
 
 
-def sequence_multiple(config) -> int:
-    """What a micro-batch's length must divide by for a model of megatron-core TransformerConfig `config`:
-    sequence parallelism splits the sequence over the tensor-parallel ranks."""
-    return config.tensor_model_parallel_size if config.sequence_parallel else 1
+def layout_multiples(config) -> tuple[int, int]:
+    """(what a micro-batch's length, what each sequence of a pack must divide by) for a model of megatron-core
+    TransformerConfig `config`: context parallelism cuts each sequence into 2 x CP chunks, and sequence parallelism
+    splits each CP rank's share over the tensor-parallel ranks."""
+    cp = config.context_parallel_size
+    per_sequence = 2 * cp if cp > 1 else 1
+    return per_sequence * (config.tensor_model_parallel_size if config.sequence_parallel else 1), per_sequence

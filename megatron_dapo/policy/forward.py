@@ -17,10 +17,11 @@ from megatron_dapo.policy.batch import (
     MicroBatch,
     Sequence,
     check_sequences,
+    layout_multiples,
     micro_batches,
     plan_micro_batches,
-    sequence_multiple,
 )
+from megatron_dapo.policy.context_parallel import gather_responses, split_micro_batch
 from megatron_dapo.policy.logprobs import vocab_parallel_logprobs
 from megatron_dapo.policy.output_positions import logits_at
 
@@ -47,18 +48,26 @@ def micro_batch_logprobs(logits: torch.Tensor, mb: MicroBatch, vocab_size: int, 
 def model_micro_batches(config, sequences: list[Sequence], max_tokens: int, device: torch.device,
                         packed: bool = False) -> list[MicroBatch]:
     """This rank's sequences in micro-batches (packed or padded, policy/batch.py) for a model of megatron-core
-    TransformerConfig `config`: as long as sequence parallelism needs, and with expert parallelism as many on every
-    data-parallel rank as the rank of most (collective over the data-parallel group then)."""
-    multiple = sequence_multiple(config)
+    TransformerConfig `config`: as long as sequence and context parallelism need, with context parallelism this
+    CP rank's share of each (policy/context_parallel.py; `max_tokens` counts the whole micro-batch, before the cut),
+    and with expert parallelism as many on every data-parallel rank as the rank of most (collective over the
+    data-parallel group then)."""
+    from megatron.core import parallel_state
+
+    multiple, per_sequence = layout_multiples(config)
     count = None
     if config.expert_model_parallel_size > 1:
-        from megatron.core import parallel_state
-
-        mine = len(plan_micro_batches([s.tokens.numel() for s in sequences], max_tokens, multiple, packed=packed))
+        mine = len(plan_micro_batches([s.tokens.numel() for s in sequences], max_tokens, multiple, packed=packed,
+                                      sequence_multiple=per_sequence))
         agreed = torch.tensor([mine], device=device)
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=parallel_state.get_data_parallel_group())
         count = int(agreed.item())
-    return micro_batches(sequences, max_tokens, multiple, count, packed)
+    mbs = micro_batches(sequences, max_tokens, multiple, count, packed, per_sequence)
+    cp = config.context_parallel_size
+    if cp == 1:
+        return mbs
+    rank = parallel_state.get_context_parallel_rank()
+    return [split_micro_batch(mb, cp, rank) for mb in mbs]
 
 
 def route_replayer(model):
@@ -79,13 +88,15 @@ def model_forward(model, mb: MicroBatch, device: torch.device):
     ids = mb.input_ids.to(device)
     with logits_at(model, mb.response_positions.to(device)):
         if mb.cu_seqlens is None:
-            position_ids = torch.arange(ids.shape[1], device=device).expand_as(ids)
+            position_ids = mb.position_ids.to(device) if mb.position_ids is not None else \
+                torch.arange(ids.shape[1], device=device).expand_as(ids)
             return model(ids, position_ids, None)
         from megatron_dapo.policy.sdpa_attention import PackedSequences
 
         # Positions restart with each sequence (the rotary embedding takes them from cu_seqlens).
         cu = mb.cu_seqlens
-        position_ids = torch.cat([torch.arange(b - a, device=device) for a, b in zip(cu[:-1], cu[1:])])[None]
+        position_ids = mb.position_ids.to(device) if mb.position_ids is not None else \
+            torch.cat([torch.arange(b - a, device=device) for a, b in zip(cu[:-1], cu[1:])])[None]
         return model(ids, position_ids, None, packed_seq_params=PackedSequences.of(cu, device))
 
 
@@ -125,10 +136,11 @@ def response_logprobs(model, sequences: list[Sequence], *, vocab_size: int, max_
     if not is_last_stage():
         return None
     result: list = [None] * len(sequences)
+    outputs = gather_responses(mbs, [torch.stack([out["logp"], out["entropy"]]) for out in outputs])
     for mb, out in zip(mbs, outputs):
         if not mb.sample_index:  # a filler
             continue
-        logps, ents = out["logp"].split(mb.response_lens), out["entropy"].split(mb.response_lens)
+        logps, ents = out[0].split(mb.response_lens), out[1].split(mb.response_lens)
         for i, lp, en in zip(mb.sample_index, logps, ents):
             result[i] = (lp, en)
     return result

@@ -95,6 +95,7 @@ def transformer_config(spec: ModelSpec, parallel: ParallelConfig, params_dtype: 
         attention_dropout=0.0,
         tensor_model_parallel_size=parallel.tensor_parallel,
         pipeline_model_parallel_size=parallel.pipeline_parallel,
+        context_parallel_size=parallel.context_parallel,
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,

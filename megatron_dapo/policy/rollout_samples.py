@@ -68,7 +68,8 @@ def training_samples(model, reference, share: PackedShare, *, spec, max_tokens_p
                    seqs, old.float().split(lengths), advantages.repeat_interleave(per_token).split(lengths),
                    in_loss.split(lengths), ref.float().split(lengths) if ref is not None else none, weights)]
 
-    reporter = parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0
+    reporter = parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0 \
+        and parallel_state.get_context_parallel_rank() == 0
     if reporter and (entropy is not None or ref is not None):
         # With the engine's log-probs as pi_old nothing is recomputed (no entropy; a mismatch of 0), but the KL
         # reference's distance is still there to sum.

@@ -9,12 +9,16 @@ their KV heads (GQA) without copying the keys and values.
 
 It covers what this project runs: causal self-attention (sq == sk), decoding against megatron's
 static KV cache (sq == 1, no mask), an explicit boolean mask (True where attention is NOT allowed,
-megatron's convention), and packed sequences (megatron's `thd` format, causal within each sequence).
+megatron's convention), packed sequences (megatron's `thd` format, causal within each sequence), and context
+parallelism without Transformer Engine (policy/context_parallel.py: the keys and values all-gathered over the CP
+group, each local query chunk attending its sequence's keys up to its own, masked by global positions; what the
+suite tests CP's data path with, on CPU; on GPUs Transformer Engine's ring attention is the one to use).
 Anything else raises instead of computing something different.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -22,12 +26,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from megatron.core import parallel_state
 from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import is_layer_window_attention
+
+from megatron_dapo.policy.context_parallel import AttentionPlan
 
 _MASK_TYPES = (AttnMaskType.causal, AttnMaskType.padding, AttnMaskType.no_mask)
 
@@ -43,13 +51,24 @@ class PackedSequences(PackedSeqParams):
     """megatron-core's `thd` parameters (cu_seqlens on the device, for its rotary embedding and TE's attention), and
     SdpaAttention's plan for the pack, made once per micro-batch rather than in every layer: `buckets`, per bucket
     (the rows of the pack its sequences gather, [sequences, longest], past a sequence's end its last row again;
-    which of the gathered rows are real), and `restore`, which puts the buckets' real rows back in pack order."""
+    which of the gathered rows are real), and `restore`, which puts the buckets' real rows back in pack order.
+    With context parallelism `cu_seqlens` are the whole pack's (megatron-core's rotary embedding divides them by
+    CP) and `context_parallel` is this rank's AttentionPlan instead of buckets."""
     buckets: tuple = ()
     restore: Optional[Tensor] = None
+    context_parallel: Optional[AttentionPlan] = None
 
     @classmethod
     def of(cls, cu_seqlens: list[int], device) -> PackedSequences:
         starts, lengths = cu_seqlens[:-1], [b - a for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:])]
+        cu = torch.tensor(cu_seqlens, dtype=torch.int32, device=device)
+        cp = parallel_state.get_context_parallel_world_size()
+        if cp > 1:
+            plan = AttentionPlan.of(list(zip(starts, cu_seqlens[1:])), cp, parallel_state.get_context_parallel_rank(),
+                                    device)
+            return cls(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(lengths),
+                       max_seqlen_kv=max(lengths), cp_group=parallel_state.get_context_parallel_group(),
+                       context_parallel=plan)
         groups: list[list[int]] = []
         for i in sorted(range(len(lengths)), key=lambda i: (lengths[i], i)):
             if groups and lengths[i] <= BUCKET_RATIO * lengths[groups[-1][0]]:
@@ -64,7 +83,6 @@ class PackedSequences(PackedSeqParams):
             real = torch.cat([span < lengths[i] for i in group])
             order.append(rows.reshape(-1)[real])
             buckets.append((rows.to(device), real.nonzero().squeeze(1).to(device)))
-        cu = torch.tensor(cu_seqlens, dtype=torch.int32, device=device)
         return cls(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(lengths),
                    max_seqlen_kv=max(lengths), buckets=tuple(buckets), restore=torch.cat(order).argsort().to(device))
 
@@ -87,7 +105,6 @@ class SdpaAttention(MegatronModule):
         super().__init__(config=config)
         dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         refusals = [
-            (config.context_parallel_size != 1, "context parallelism (use Transformer Engine)"),
             (dropout > 0, f"attention dropout {dropout} (the transformer config sets attention_dropout=0.0)"),
             (config.softmax_type != "vanilla", f"softmax_type={config.softmax_type!r}"),
             (is_layer_window_attention(config.window_size, config.window_attn_skip_freq, layer_number),
@@ -102,6 +119,9 @@ class SdpaAttention(MegatronModule):
         # None: SDPA's own 1/sqrt(hn). apply_query_key_layer_scaling divides the scale by the layer number
         # and multiplies it back in the softmax (an fp16 overflow guard), so it leaves the result unchanged.
         self.softmax_scale = softmax_scale
+        self.cp_group = pg_collection.cp if pg_collection is not None and hasattr(pg_collection, "cp") else \
+            parallel_state.get_context_parallel_group(check_initialized=False)
+        self.cp_size = config.context_parallel_size
 
     def forward(
         self,
@@ -118,6 +138,14 @@ class SdpaAttention(MegatronModule):
         if packed_seq_params is not None:
             return self._packed(query, key, value, attention_mask, packed_seq_params)
         sq, sk = query.size(0), key.size(0)
+        if self.cp_size > 1:
+            if attention_mask is not None or self.attn_mask_type != AttnMaskType.causal or sq != sk:
+                raise ValueError(f"SdpaAttention (layer {self.layer_number}): context parallelism supports causal "
+                                 f"self-attention only, got attn_mask_type={self.attn_mask_type}, "
+                                 f"{'an' if attention_mask is not None else 'no'} attention_mask, {sq} queries and "
+                                 f"{sk} keys")
+            plan = _row_plan(sq * self.cp_size, self.cp_size, self.cp_group.rank(), query.device)
+            return self._context_parallel(query, key, value, plan)
         # The masking follows the local DotProductAttention, which ignores the forward's attn_mask_type
         # and uses the module's own: a mask that is passed replaces the causal one; without one, causal
         # self-attention masks the future, and a single query (decoding against a KV cache) sees every key.
@@ -154,6 +182,9 @@ class SdpaAttention(MegatronModule):
         for refused, what in refusals:
             if refused:
                 raise ValueError(f"SdpaAttention (layer {self.layer_number}) does not support {what}")
+        if params.context_parallel is not None:  # a pack is one row: [t, heads, hn] -> [t, 1, heads, hn]
+            out = self._context_parallel(*(t.unsqueeze(1) for t in (query, key, value)), params.context_parallel)
+            return out.squeeze(1)
         heads, dim = query.shape[1:]
         outs = []
         for rows, real in params.buckets:
@@ -163,3 +194,27 @@ class SdpaAttention(MegatronModule):
                                                  enable_gqa=q.size(1) != k.size(1))
             outs.append(out.permute(0, 2, 1, 3).reshape(-1, heads, dim)[real])
         return torch.cat(outs)[params.restore].reshape(query.size(0), -1)  # [t, np * hn]
+
+    def _context_parallel(self, query: Tensor, key: Tensor, value: Tensor, plan: AttentionPlan) -> Tensor:
+        """This CP rank's queries [s, b, np, hn] against every CP rank's keys and values [s, b, ng, hn] (gathered:
+        their gradients come back summed over the ranks whose queries used them), chunk by chunk as `plan` says;
+        context [s, b, np * hn]."""
+        k, v = (gather_from_sequence_parallel_region(t, tensor_parallel_output_grad=True, group=self.cp_group)
+                .index_select(0, plan.global_rows) for t in (key, value))
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, k, v))  # [b, heads, s, hn]
+        outs = []
+        for start, n, key_start, keys in plan.chunks:
+            # The chunk's queries are the last n of its keys: query i sees keys up to keys - n + i.
+            mask = torch.ones(n, keys, dtype=torch.bool, device=q.device).tril(keys - n)
+            span = slice(key_start, key_start + keys)
+            outs.append(F.scaled_dot_product_attention(q[:, :, start:start + n], k[:, :, span], v[:, :, span],
+                                                       attn_mask=mask, scale=self.softmax_scale,
+                                                       enable_gqa=q.size(1) != k.size(1)))
+        context = torch.cat(outs, dim=2).permute(2, 0, 1, 3)  # [s, b, np, hn]
+        return context.reshape(context.shape[0], context.shape[1], -1)
+
+
+@functools.lru_cache(maxsize=16)
+def _row_plan(length: int, cp_size: int, cp_rank: int, device) -> AttentionPlan:
+    """The AttentionPlan of a padded block's rows, `length` tokens each before the cut (the same for every row)."""
+    return AttentionPlan.of([(0, length)], cp_size, cp_rank, device)

@@ -5,7 +5,7 @@ distributed optimizer by default, gradient clipping), with a linear-warmup-then-
 rate. Normalisation is over the whole step: every micro-batch contributes its summed loss and its
 count (loss tokens; responses with loss.aggregation "sample", whose tokens are weighted by 1 / their
 response's loss tokens), and megatron-core's per-token loss mode divides the gradients summed over
-micro-batches and data-parallel ranks by the total count. So the gradient does not depend on how
+micro-batches and data- (and context-) parallel ranks by the total count. So the gradient does not depend on how
 the step is split.
 """
 
@@ -184,6 +184,7 @@ class PolicyTrainer:
             raise ValueError("RolloutSample.loss_weight: give it for every sample of a step or for none")
 
         replayer = route_replayer(self.module)
+        cp_rank = parallel_state.get_context_parallel_rank()
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
@@ -200,6 +201,12 @@ class PolicyTrainer:
             if aggregate is not None:
                 weight = aggregate if weight is None else weight * aggregate
             ref = torch.cat([r.ref_logp for r in rows]).to(dev, torch.float32) if with_ref else None
+            if mb.response_order is not None:
+                # context parallelism: this CP rank's share of the tokens; the micro-batch's normaliser counts once
+                order = mb.response_order.to(dev)
+                old, adv, mask, weight, ref = (t if t is None else t[order] for t in (old, adv, mask, weight, ref))
+                if cp_rank:
+                    units = torch.zeros_like(units)
             return on_output(model_forward(model, mb, dev)), partial(self._loss_func, mb, old, adv, mask, weight, ref,
                                                                      units)
 
@@ -250,7 +257,8 @@ class PolicyTrainer:
         return bad.item() == 0
 
     def _reduce_metrics(self, outputs, lr, parallel_state) -> StepResult:
-        # Sums over this rank's micro-batches, then over data-parallel ranks, then to every pipeline stage.
+        # Sums over this rank's micro-batches, then over data- and context-parallel ranks, then to every pipeline
+        # stage.
         n = len(STAT_NAMES)
         totals = torch.zeros(n + 3, dtype=torch.float64, device=self.device)
         ratio_max = torch.zeros(1, dtype=torch.float64, device=self.device)
@@ -261,7 +269,7 @@ class PolicyTrainer:
                 totals[n + 1] += out["entropy_sum"]
                 totals[n + 2] += out["units"]
                 ratio_max = torch.maximum(ratio_max, out["stats"][STAT_NAMES.index("ratio_max")].reshape(1))
-        dp = parallel_state.get_data_parallel_group()
+        dp = parallel_state.get_data_parallel_group(with_context_parallel=True)
         dist.all_reduce(totals, group=dp)
         dist.all_reduce(ratio_max, op=dist.ReduceOp.MAX, group=dp)
         pp = parallel_state.get_pipeline_model_parallel_group()

@@ -74,7 +74,8 @@ def preflight(cfg: DapoConfig, hardware: Hardware = Hardware()) -> Report:
         f"model     {spec.architecture}, {params / 1e6:.2f} M parameters",
         f"          {spec.num_layers} layers, {spec.max_position_embeddings} positions ({os.path.relpath(source)})",
         f"trainer   {layout.gpus} {processes[layout.gpus > 1]} = TP{p.tensor_parallel} x PP{p.pipeline_parallel} "
-        f"x DP{layout.data_parallel}" + (f", experts over EP{p.expert_parallel}" if spec.is_moe else "")
+        + (f"x CP{p.context_parallel} " if p.context_parallel > 1 else "")
+        + f"x DP{layout.data_parallel}" + (f", experts over EP{p.expert_parallel}" if spec.is_moe else "")
         + f" ({layout.assumption})",
         *([f"experts   {spec.num_experts} per MoE layer ({sum(spec.moe_layers)} of {spec.num_layers}), top "
            f"{spec.moe_topk}: {spec.num_experts // p.expert_parallel} per rank"] if spec.is_moe else []),

@@ -32,6 +32,10 @@ recomputation):
   combined, and SwiGLU in each of its k experts, with routing as balanced as it comes (a skewed router can put up
   to EP times that on one rank), + 8 bytes x E of fp32 router logits and probabilities. With sequence parallelism
   the norms' 4 h and the experts' term are split over TP too.
+Context parallelism (CP): each rank holds 1/CP of every micro-batch's tokens, so the activations and logits count
+max_tokens_per_micro_batch / CP tokens, and each layer also keeps the keys and values gathered from the other CP
+ranks, dtype bytes x 2 kv/TP x (CP - 1)/CP per token of the micro-batch; the distributed optimizer divides the
+state over DP x CP (an expert's over TP x CP x DP / EP).
 Routing replay: the driver holds a batch's routes, every response of the groups drawn at the longest sequence x
 MoE layers x top k ids of samples.route_dtype (uint8 up to 256 experts).
 
@@ -239,16 +243,19 @@ def activation_bytes(spec: ModelSpec, tp: int, dtype_bytes: int, sparse: bool = 
 
 def trainer_memory(cfg: DapoConfig, spec: ModelSpec, layout: Layout) -> list[TrainerMemory]:
     p = cfg.parallel
-    tp, pp, ep = p.tensor_parallel, p.pipeline_parallel, p.expert_parallel
+    tp, pp, ep, cp = p.tensor_parallel, p.pipeline_parallel, p.expert_parallel, p.context_parallel
     dtype_bytes, optimizer_bytes = trainer_bytes_per_parameter(cfg)
-    # the distributed optimizer splits a parameter's state over the ranks that hold it: the data-parallel ones, and
-    # for an expert the expert-data-parallel ones (a stage's TP x DP ranks over EP)
-    dense_share = layout.data_parallel if cfg.optim.distributed_optimizer else 1
-    expert_share = tp * layout.data_parallel // ep if cfg.optim.distributed_optimizer else 1
-    tokens = cfg.model.max_tokens_per_micro_batch
+    # the distributed optimizer splits a parameter's state over the ranks that hold it: the data- and
+    # context-parallel ones, and for an expert the expert-data-parallel ones (a stage's TP x CP x DP ranks over EP)
+    dense_share = layout.data_parallel * cp if cfg.optim.distributed_optimizer else 1
+    expert_share = tp * cp * layout.data_parallel // ep if cfg.optim.distributed_optimizer else 1
+    micro_batch_tokens = cfg.model.max_tokens_per_micro_batch
+    tokens = micro_batch_tokens / cp  # this rank's share of a micro-batch
+    # the keys and values each layer gathers from the other CP ranks, per token of the micro-batch
+    gathered_kv = dtype_bytes * 2 * spec.num_query_groups * spec.head_dim / tp * (cp - 1) / cp
     g = cfg.algorithm
     responses = math.ceil(g.batch_size * g.group_size / cfg.train.updates_per_step / layout.data_parallel)
-    micro_batches = math.ceil(responses / max(1, tokens // longest_sequence(cfg)))
+    micro_batches = math.ceil(responses / max(1, micro_batch_tokens // longest_sequence(cfg)))
     recompute = cfg.model.activation_recompute == "full"
     per_stage = spec.num_layers // pp
     sparse = spec.moe_layers or (False,) * spec.num_layers
@@ -260,7 +267,8 @@ def trainer_memory(cfg: DapoConfig, spec: ModelSpec, layout: Layout) -> list[Tra
         full = [activation_bytes(spec, tp, dtype_bytes, sparse[i], p.sequence_parallel)
                 for i in range(s * per_stage, (s + 1) * per_stage)]  # per token, each layer of the stage
         kept = dtype_bytes * spec.hidden_size * per_stage if recompute else sum(full)  # per token
-        recomputing = max(full) * tokens if recompute else 0.0  # the one layer whose backward runs
+        kept += 0.0 if recompute else gathered_kv * cp * per_stage
+        recomputing = (max(full) + gathered_kv * cp) * tokens if recompute else 0.0  # the layer whose backward runs
         n = dense + experts
         out.append(TrainerMemory(stage=s, layers=per_stage, weights=copies * n * dtype_bytes, grads=n * 4,
                                  optimizer=optimizer_bytes * (dense / dense_share + experts / expert_share),

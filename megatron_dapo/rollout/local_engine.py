@@ -96,10 +96,11 @@ class LocalEngine:
 
         tp = parallel_state.get_tensor_model_parallel_world_size()
         pp = parallel_state.get_pipeline_model_parallel_world_size()
-        if tp != 1 or pp != 1:
+        cp = parallel_state.get_context_parallel_world_size()
+        if tp != 1 or pp != 1 or cp != 1:
             raise ConfigError(f"rollout.engine: 'local' samples in-process and needs tensor_parallel = "
-                              f"pipeline_parallel = 1, the policy has TP={tp} x PP={pp}; use rollout.engine: "
-                              "'sglang' for a parallel policy")
+                              f"pipeline_parallel = context_parallel = 1, the policy has TP={tp} x PP={pp} x CP={cp}; "
+                              "use rollout.engine: 'sglang' for a parallel policy")
         if max_batch_tokens < 1:
             raise ValueError(f"max_batch_tokens: must be >= 1, got {max_batch_tokens}")
         self.model = model

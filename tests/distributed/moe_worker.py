@@ -48,9 +48,9 @@ def layout_tag(tp, ep, pp, sp, *more) -> str:
     return tag
 
 
-def parallel_config(tp, ep, pp, sp) -> ParallelConfig:
+def parallel_config(tp, ep, pp, sp, cp=1) -> ParallelConfig:
     return ParallelConfig(tensor_parallel=tp, expert_parallel=ep, pipeline_parallel=pp, sequence_parallel=sp,
-                          device="cpu", seed=7)
+                          context_parallel=cp, device="cpu", seed=7)
 
 
 def parity_case(spec, ckpt, seqs, ref, layout, out_dir) -> tuple[dict | None, dict]:

@@ -1,4 +1,5 @@
-"""torchrun worker (4 processes): routing replay on a tiny Qwen3-MoE at (TP, EP, PP) layouts.
+"""torchrun worker (4 processes): routing replay on a tiny Qwen3-MoE at (TP, EP, PP) layouts, and one with context
+and sequence parallelism over packed micro-batches.
 
 Every sequence carries random routes (experts its router would not choose). Writes into the folder argv[1]:
 - replay.json from global rank 0: per layout and rank, the log-prob error against transformers'
@@ -30,8 +31,15 @@ from megatron_dapo.policy.model import build_model
 from megatron_dapo.policy.routing_replay import RoutesMissing, routers_of
 from megatron_dapo.policy.train_step import LossConfig, OptimConfig, PolicyTrainer, RolloutSample
 
-LAYOUTS = [(1, 1, 1, False, 100000, False), (1, 2, 1, False, 62, False), (2, 2, 1, True, 200, False),
-           (1, 2, 2, False, 200, True)]
+# (TP, EP, PP, SP, micro-batch tokens, full recompute, CP, packed)
+LAYOUTS = [(1, 1, 1, False, 100000, False, 1, False), (1, 2, 1, False, 62, False, 1, False),
+           (2, 2, 1, True, 200, False, 1, False), (1, 2, 2, False, 200, True, 1, False),
+           (2, 2, 1, True, 130, False, 2, True)]
+
+
+def tag_of(layout) -> str:
+    tp, ep, pp, sp, mb, recompute, cp, packed = layout
+    return layout_tag(tp, ep, pp, sp, mb, recompute) + (f"-cp{cp}" if cp > 1 else "") + ("-p" if packed else "")
 
 
 def random_routes(n: int, spec, seed: int) -> torch.Tensor:
@@ -124,15 +132,15 @@ class RouteCheck:
 def layout_case(out_dir, spec, ckpt, hf, layout, seqs, ref) -> dict:
     from megatron.core import parallel_state
 
-    tp, ep, pp, sp, mb_tokens, recompute = layout
-    parallel = parallel_config(tp, ep, pp, sp)
+    tp, ep, pp, sp, mb_tokens, recompute, cp, packed = layout
+    parallel = parallel_config(tp, ep, pp, sp, cp)
     runtime = init_runtime(parallel)
     model = build_model(spec, parallel, pre_process=parallel_state.is_pipeline_first_stage(),
                         post_process=parallel_state.is_pipeline_last_stage(), params_dtype=PARITY_DTYPE,
                         routing_replay=True)
     load_hf_weights(model, ckpt.get, spec, parallel)
     out = response_logprobs(model.eval(), seqs, vocab_size=spec.vocab_size, max_positions=96,
-                            max_tokens_per_micro_batch=130, device=runtime.device)
+                            max_tokens_per_micro_batch=130, device=runtime.device, packed=packed)
     record = {}
     if out is not None:
         record["max_abs_logp"] = max((o[0].double().cpu() - r).abs().max().item() for o, r in zip(out, ref))
@@ -147,7 +155,7 @@ def layout_case(out_dir, spec, ckpt, hf, layout, seqs, ref) -> dict:
     optim = OptimConfig(lr=1e3, adam_eps=1e3, warmup_steps=0, weight_decay=0.0, clip_grad=0.0)
     trainer = PolicyTrainer(spec, parallel, runtime.device, optim, LossConfig(dual_clip_c=3.0), mb_tokens,
                             activation_recompute="full" if recompute else "none", params_dtype=PARITY_DTYPE,
-                            moe_aux_loss_coef=0.0, routing_replay=True)
+                            moe_aux_loss_coef=0.0, routing_replay=True, packed=packed)
     load_policy_weights(trainer, ckpt.get)
     dp, dp_rank = runtime.data_parallel, parallel_state.get_data_parallel_rank()
     samples = [RolloutSample(s, r.old_logp, r.advantages, r.loss_mask) for s, r in
@@ -157,7 +165,7 @@ def layout_case(out_dir, spec, ckpt, hf, layout, seqs, ref) -> dict:
     result = trainer.step(samples)
     after = gathered_hf_state(trainer.module, spec, parallel)
     check.close()
-    tag = "replay-" + layout_tag(*layout)
+    tag = "replay-" + tag_of(layout)
     torch.save({k: after[k] - before[k] for k in after}, os.path.join(out_dir, f"{tag}-rank{dist.get_rank()}.pt"))
     record.update(router_calls=check.calls, wrong_calls=check.wrong, recomputed_calls=check.recomputed,
                   loss=result.loss)
@@ -180,7 +188,7 @@ def main(out_dir: str) -> None:
         record, missing = layout_case(out_dir, spec, ckpt, hf, layout, seqs, ref)
         found = [None] * dist.get_world_size()
         dist.all_gather_object(found, record)
-        results[layout_tag(*layout)] = found
+        results[tag_of(layout)] = found
         if missing is not None:
             results["missing"] = missing
     if dist.get_rank() == 0:

@@ -1,11 +1,12 @@
 """torchrun worker: one training step at the layouts a world size allows, and a few Adam steps.
 
-argv: OUT_DIR LAYOUT [LAYOUT ...], a layout being tp,pp,micro_batch_tokens[,r][,s][,p][,sp] (r: full activation
-recompute, model.activation_recompute "full"; s: loss.aggregation "sample", whose record also holds the loss by
-its float64 definition over transformers' log-probs; p: packed micro-batches, model.packing; sp: sequence
-parallelism). Per layout the weight change of one Adam step, gathered to
-HF names, goes to OUT_DIR/{tag}-stage{pp_rank}.pt from the ranks with tp_rank = dp_rank = 0; the step's
-loss and grad norm to OUT_DIR/{tag}.json, with how many layer checkpoints megatron-core made on each rank.
+argv: OUT_DIR LAYOUT [LAYOUT ...], a layout being tp,pp,micro_batch_tokens[,r][,s][,p][,sp][,cp] (r: full
+activation recompute, model.activation_recompute "full"; s: loss.aggregation "sample", whose record also holds the
+loss by its float64 definition over transformers' log-probs; p: packed micro-batches, model.packing; sp: sequence
+parallelism; cp: context parallelism over 2 ranks). Per layout the weight change of one Adam step, gathered to
+HF names, goes to OUT_DIR/{tag}-stage{pp_rank}.pt from the ranks with tp_rank = dp_rank = cp_rank = 0; the step's
+loss and grad norm to OUT_DIR/{tag}.json, with how many layer checkpoints megatron-core made on each rank, and
+(PP = 1) the log-probs and entropies of the whole batch before the step.
 Layout "adam" runs 6 Adam steps at TP=2 and records the loss; "nan" poisons one micro-batch (nan.json); "bf16"
 takes one update of a bf16 model under each bf16 optimizer (bf16.json).
 """
@@ -23,7 +24,8 @@ from megatron_dapo.checkpoint.hf_weights import expert_offset, global_name, laye
 from megatron_dapo.config import ParallelConfig
 from megatron_dapo.ops.dapo_loss_reference import sample_level_loss_reference
 from megatron_dapo.parallel.runtime import init_runtime, reset_parallel_layout, shutdown_runtime
-from megatron_dapo.policy.batch import micro_batches
+from megatron_dapo.policy.batch import layout_multiples, micro_batches
+from megatron_dapo.policy.forward import response_logprobs
 from megatron_dapo.policy.hf_config import model_spec_from_hf
 from megatron_dapo.policy.train_step import LossConfig, OptimConfig, PolicyTrainer, RolloutSample
 
@@ -181,11 +183,12 @@ def run_layout(out_dir, layout, spec, hf):
     adam = layout == "adam"
     fields = ["2", "1", "200"] if adam else layout.split(",")
     recompute, sample_level, packed = "r" in fields[3:], "s" in fields[3:], "p" in fields[3:]
-    if len(fields) < 3 or not set(fields[3:]) <= {"r", "s", "p", "sp"}:
-        raise SystemExit(f"bad layout {layout!r}: expected tp,pp,micro_batch_tokens[,r][,s][,p][,sp]")
+    if len(fields) < 3 or not set(fields[3:]) <= {"r", "s", "p", "sp", "cp"}:
+        raise SystemExit(f"bad layout {layout!r}: expected tp,pp,micro_batch_tokens[,r][,s][,p][,sp][,cp]")
     tp, pp, mb_tokens = map(int, fields[:3])
-    parallel = ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp, sequence_parallel="sp" in fields[3:],
-                              device="cpu", seed=7)
+    cp = 2 if "cp" in fields[3:] else 1
+    parallel = ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp, context_parallel=cp,
+                              sequence_parallel="sp" in fields[3:], device="cpu", seed=7)
     runtime = init_runtime(parallel)
     # First Adam step with eps >> |g|: the change is lr * g / (|g| + eps), i.e. minus the gradient for lr = eps.
     optim = (OptimConfig(lr=3e-3, warmup_steps=0, weight_decay=0.0, clip_grad=1.0) if adam else
@@ -200,9 +203,18 @@ def run_layout(out_dir, layout, spec, hf):
     mine = samples[dp_rank::dp]
     tag = "adam" if adam else f"tp{tp}-pp{pp}-dp{dp}-mb{mb_tokens}" + "".join(f"-{f}" for f in fields[3:])
     counts = [None] * dist.get_world_size()
-    multiple = tp if parallel.sequence_parallel else 1
-    dist.all_gather_object(counts, len(micro_batches([s.sequence for s in mine], mb_tokens, multiple, packed=packed)))
+    multiple, per_sequence = layout_multiples(trainer.module.config)
+    dist.all_gather_object(counts, len(micro_batches([s.sequence for s in mine], mb_tokens, multiple, packed=packed,
+                                                     sequence_multiple=per_sequence)))
     record = {"micro_batches_per_rank": counts}
+    if pp == 1 and dp == 1:
+        out = response_logprobs(trainer.module, [s.sequence for s in samples], vocab_size=spec.vocab_size,
+                                max_positions=spec.max_position_embeddings, max_tokens_per_micro_batch=mb_tokens,
+                                device=runtime.device, packed=packed)
+        record["logprobs"] = [[lp.tolist(), en.tolist()] for lp, en in out]
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, record["logprobs"])
+        record["logprobs_on_every_rank"] = all(e == record["logprobs"] for e in every)
     if adam:
         losses = []
         for _ in range(6):
@@ -223,7 +235,8 @@ def run_layout(out_dir, layout, spec, hf):
                       layers_per_stage=spec.num_layers // pp, checkpoints_per_rank=checkpoints)
         if sample_level:
             record["reference_loss"] = sample_level_reference(hf, samples, loss)
-        if parallel_state.get_tensor_model_parallel_rank() == 0 and dp_rank == 0:
+        if parallel_state.get_tensor_model_parallel_rank() == 0 and dp_rank == 0 and \
+                parallel_state.get_context_parallel_rank() == 0:
             stage = parallel_state.get_pipeline_model_parallel_rank()
             torch.save({k: after[k] - before[k] for k in after}, os.path.join(out_dir, f"{tag}-stage{stage}.pt"))
     if dist.get_rank() == 0:

@@ -4,7 +4,7 @@ argv: OUT_DIR MODE LAYOUT [LAYOUT ...], MODE "full" or "resume", a layout being 
 flags: nodist for megatron's non-distributed optimizer, bf16 for the GPU's precision (bf16 weights, an fp32
 master copy in the optimizer), llama for the tiny Llama instead of the tiny Qwen2, moe for the tiny Qwen3-MoE with
 its experts over 2 expert-parallel ranks (its weights read from transformers' own files, each rank's experts
-written by that rank: OUT_DIR/{tag}-{mode}-rank{r}.pt).
+written by that rank: OUT_DIR/{tag}-{mode}-rank{r}.pt), cp for context parallelism over 2 ranks.
 full: 3 steps, a checkpoint after each (keep_last=2), then step 4. resume: a fresh trainer (other
 seed, random weights, other RNG states) loads the latest checkpoint and runs step 4. Each step's data
 depends on the python, numpy and torch RNGs, so step 4 matches only if they were restored too.
@@ -85,13 +85,13 @@ def run_layout(out_dir, mode, layout):
 
     layout, _, source = layout.partition("@")
     tp, pp, *flags = layout.split(",")
-    tp, pp, nodist, bf16 = int(tp), int(pp), "nodist" in flags, "bf16" in flags
+    tp, pp, nodist, bf16, cp = int(tp), int(pp), "nodist" in flags, "bf16" in flags, 2 if "cp" in flags else 1
     kind = "llama" if "llama" in flags else "qwen3_moe" if "moe" in flags else "qwen2"
     hf, cfg = hf_model(kind)
     spec = model_spec_from_hf(cfg)
     full = mode == "full"
-    parallel = ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp, expert_parallel=2 if spec.is_moe else 1,
-                              device="cpu", seed=7 if full else 99)
+    parallel = ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp, context_parallel=cp,
+                              expert_parallel=2 if spec.is_moe else 1, device="cpu", seed=7 if full else 99)
     runtime = init_runtime(parallel)
     get = hf.state_dict().__getitem__
     if spec.is_moe:  # transformers fuses the experts in memory and writes them one by one (from global rank 0)
@@ -99,7 +99,8 @@ def run_layout(out_dir, mode, layout):
         hf.save_pretrained(folder)
         dist.barrier()
         get = HFCheckpoint(folder).get
-    tag = (f"tp{tp}-pp{pp}-dp{runtime.data_parallel}" + ("-nodist" if nodist else "") + ("-bf16" if bf16 else "")
+    tag = (f"tp{tp}-pp{pp}" + (f"-cp{cp}" if cp > 1 else "") + f"-dp{runtime.data_parallel}"
+           + ("-nodist" if nodist else "") + ("-bf16" if bf16 else "")
            + ("-llama" if kind == "llama" else "") + ("-ep2-moe" if spec.is_moe else ""))
     root = os.path.join(out_dir, f"ckpt-{source or tag}")
     if source:
@@ -132,7 +133,8 @@ def run_layout(out_dir, mode, layout):
     weights = gathered_hf_state(trainer.module, spec, parallel)
     if spec.is_moe:  # each rank its own experts
         torch.save(weights, os.path.join(out_dir, f"{tag}-{mode}-rank{dist.get_rank()}.pt"))
-    elif parallel_state.get_tensor_model_parallel_rank() == 0 and parallel_state.get_data_parallel_rank() == 0:
+    elif parallel_state.get_tensor_model_parallel_rank() == 0 and parallel_state.get_data_parallel_rank() == 0 \
+            and parallel_state.get_context_parallel_rank() == 0:
         stage = parallel_state.get_pipeline_model_parallel_rank()
         torch.save(weights, os.path.join(out_dir, f"{tag}-{mode}-stage{stage}.pt"))
     if dist.get_rank() == 0:

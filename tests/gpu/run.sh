@@ -10,7 +10,7 @@
 # 3. runs each check under a time limit, going on after a failure: the CUDA tests of the fused op, its
 #    benchmark and host overhead, the policy in bf16 against transformers (dense, and a MoE at EP = 1), a
 #    short DAPO run end to end (tests/gpu/e2e_dapo.py), a train step's MFU and peak memory against preflight's,
-#    the weights' export bandwidth, megatron-core's fusions each against the step as shipped, the log-prob memory
+#    packed against padded micro-batches (tokens/s, MFU), the weights' export bandwidth, megatron-core's fusions each against the step as shipped, the log-prob memory
 #    benchmark, the SDPA attention's memory at 22.5k tokens against megatron's;
 # 4. writes the summary table (step, status, seconds, key figures) to ${OUT:-tests/gpu/results}/gpu_check.md,
 #    each step's log beside it, prints it, and exits 1 if any step failed.
@@ -130,6 +130,11 @@ fusion_figures() { # per fusion: its step time over the shipped step's, or why i
         if ($2 == "-") { n = $1; sub(/^[^ ]+ +(- +)+ *unavailable: /, ""); printf "%s: unavailable (%.60s)\n", n, $0 }
         else printf "%s: fused/shipped %s, peak GB %s -> %s\n", $1, $4, $6, $7 }' "$1"
 }
+packing_figures() { # per layout: padding, tokens/s, MFU, peak GB; then the packed / padded ratio
+    awk '($1 == "padded" || $1 == "packed") && NF == 8 {
+        printf "%s: padding %s, %s tokens/s, MFU %s %%, peak %s GB\n", $1, $2, $4, $6, $7 }
+        /^packed \/ padded tokens\/s/ { print }' "$1"
+}
 export_figures() { # the export's GB/s and its share of a device copy
     awk '/^export s/ { e = $4 } /^device copy s/ { c = $5 } /^export \/ copy/ { r = $4 }
         END { if (e != "") printf "export %s GB/s, device copy %s GB/s: %s of it\n", e, c, r }' "$1"
@@ -232,6 +237,8 @@ run_step "MoE bf16 vs transformers (EP = 1)" 90 policy_figures "$PY" -m pytest t
     -rfE -p no:cacheprovider -k qwen3_moe
 run_step "DAPO end to end (1 GPU)" 240 figures_lines "$PY" tests/gpu/e2e_dapo.py --device cuda --out "$out/e2e_dapo"
 run_step "train step (Qwen2.5-1.5B shape)" 120 train_step_figures "$PY" bench/bench_train_step.py --device cuda
+run_step "packed vs padded step (Qwen2.5-1.5B shape)" 120 packing_figures "$PY" bench/bench_packing.py --device cuda \
+    --prompts 8 --max-response 4096 --steps 2
 run_step "weight export (Qwen2.5-1.5B shape)" 60 export_figures "$PY" bench/bench_export.py --device cuda
 run_step "train step fusions" 150 fusion_figures "$PY" bench/bench_train_step.py --device cuda --fusions \
     --tokens 16384 --steps 2
