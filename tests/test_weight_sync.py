@@ -1,4 +1,4 @@
-"""Weight sync from a TP x PP sharded Megatron policy into a real SGLang server, through each route.
+"""Weight sync from a TP x PP (or CP) split Megatron policy into a real SGLang server, through each route.
 
 One torchrun run per layout does one optimizer step, then for every route puts the server back to the
 original weights, syncs, and samples again; the cases below read that run's record for their route.
@@ -35,7 +35,7 @@ from megatron_dapo.policy.hf_config import model_spec_from_hf  # noqa: E402
 from megatron_dapo.rollout.sglang_server import SGLangServer, SGLangServerConfig, post_json  # noqa: E402
 from megatron_dapo.weight_sync import ROUTES, buckets, make_weight_syncer, server_calls  # noqa: E402
 
-LAYOUTS = {"tp2": (2, 1), "pp2": (1, 2)}
+LAYOUTS = {"tp2": (2, 1, 1), "pp2": (1, 2, 1), "cp2": (1, 1, 2)}  # (TP, PP, CP)
 BUCKET_MB = 0.05  # the tiny model spreads over many buckets, and its embedding is bigger than one
 
 
@@ -53,13 +53,13 @@ def synced(server, tmp_path_factory):
 
     def run(layout: str) -> dict:
         if layout not in records:
-            tp, pp = LAYOUTS[layout]
+            tp, pp, cp = LAYOUTS[layout]
             reset = post_json(f"{srv.url}/update_weights_from_disk",
                               {"model_path": str(root / "model"), "weight_version": "0"}, 300)
             assert reset["success"], reset
             work = tmp_path_factory.mktemp(f"sync-{layout}")
-            torchrun("weight_sync_worker.py", tp * pp, str(work / "out.json"), str(root / "model"), srv.url,
-                     str(work), str(tp), str(pp), ",".join(ROUTES), str(BUCKET_MB))
+            torchrun("weight_sync_worker.py", tp * pp * cp, str(work / "out.json"), str(root / "model"), srv.url,
+                     str(work), str(tp), str(pp), ",".join(ROUTES), str(BUCKET_MB), "1", str(cp))
             records[layout] = json.loads((work / "out.json").read_text())
         return records[layout]
 

@@ -1,9 +1,9 @@
-"""torchrun worker: one optimizer step at TP x PP, then, for each weight-sync route in turn, the running
+"""torchrun worker: one optimizer step at TP x PP (x CP), then, for each weight-sync route in turn, the running
 SGLang server is put back to the original weights and synced through that route; new samples from the
 server are checked against the updated policy's log-probs.
 
-argv: OUT_JSON MODEL_DIR SERVER_URL WORK_DIR TP PP ROUTES (comma-separated) BUCKET_MB [EP]
-(EP > 1: a mixture of experts' experts over the data-parallel ranks.)
+argv: OUT_JSON MODEL_DIR SERVER_URL WORK_DIR TP PP ROUTES (comma-separated) BUCKET_MB [EP [CP]]
+(EP > 1: a mixture of experts' experts over the data-parallel ranks; CP > 1: context parallelism.)
 """
 
 import json
@@ -63,11 +63,11 @@ def versions(samples):
     return sorted({v for *_, v in samples})
 
 
-def main(out_json, model_dir, url, work_dir, tp, pp, routes, bucket_mb, ep="1"):
+def main(out_json, model_dir, url, work_dir, tp, pp, routes, bucket_mb, ep="1", cp="1"):
     from megatron.core import parallel_state
 
     parallel = ParallelConfig(tensor_parallel=int(tp), pipeline_parallel=int(pp), expert_parallel=int(ep),
-                              device="cpu", seed=3)
+                              context_parallel=int(cp), device="cpu", seed=3)
     runtime = init_runtime(parallel)
     ckpt = HFCheckpoint(model_dir)
     spec = model_spec_from_hf(ckpt.config)
@@ -100,7 +100,7 @@ def main(out_json, model_dir, url, work_dir, tp, pp, routes, bucket_mb, ep="1"):
             "versions_after": versions(after), "samples_after": len(after),
             "bytes": metrics[0].bytes, "seconds": metrics[0].seconds}
     if parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0 \
-            and parallel_state.get_data_parallel_rank() == 0:
+            and parallel_state.get_data_parallel_rank() == 0 and parallel_state.get_context_parallel_rank() == 0:
         with open(out_json, "w") as f:
             json.dump(result, f)
     shutdown_runtime()
