@@ -30,6 +30,7 @@ sample trained on, steps and training time. The figure: a panel per metric, ever
 seeds against samples generated).
 
     python bench/ablation.py [--task chain] [--seeds 0 1 2] [--steps 40] [--out /tmp/ablation] [--task-dir DIR]
+                             [--limit MAX_RESPONSE_LEN OVERLONG_CACHE_LEN]   # another response limit
     python bench/ablation.py --quick     # 1 seed, 1 step's samples of 8 x 8, 8 held-out problems, in this
                                          # process: the suite's check
 """
@@ -49,37 +50,46 @@ from pathlib import Path
 NAIVE_GRPO = {"algorithm.preset": "grpo", "loss.kl_coef": 0.0}
 
 
-def arms(task: str) -> list[tuple[str, dict[str, object]]]:
-    """Each arm's name and every switch it sets (config overrides, section.key -> value): GRPO with its KL term,
-    then the paper's chain, each arm the one before it and one component more."""
+def limits(task: str, limit: tuple[int, int] | None) -> tuple[int, int]:
+    """(algorithm.max_response_len, algorithm.overlong_cache_len): `limit` (--limit), else the task's."""
     from megatron_dapo.demo.tasks import demo_task
 
+    spec = demo_task(task)
+    return tuple(limit) if limit else (spec.max_response_len, spec.overlong_cache_len)
+
+
+def arms(task: str, limit: tuple[int, int] | None = None) -> list[tuple[str, dict[str, object]]]:
+    """Each arm's name and every switch it sets (config overrides, section.key -> value): GRPO with its KL term,
+    then the paper's chain, each arm the one before it and one component more. `limit`: as limits()."""
+    max_response_len, cache_len = limits(task, limit)
     chain = [
         ("naive GRPO", {}),
         ("+ overlong filtering", {"algorithm.overlong_filter": True}),
         ("+ clip-higher", {"loss.eps_high": 0.28}),
         ("+ soft punishment", {"algorithm.overlong_filter": False, "algorithm.overlong_penalty": True,
-                               "algorithm.overlong_cache_len": demo_task(task).overlong_cache_len}),
+                               "algorithm.overlong_cache_len": cache_len}),
         ("+ token-level loss", {"loss.aggregation": "token"}),
         ("+ dynamic sampling", {"algorithm.dynamic_sampling": True, "algorithm.oversample_factor": 1.5}),
     ]
-    merged, out = dict(NAIVE_GRPO), [("GRPO + KL", {"algorithm.preset": "grpo"})]
+    base = {"algorithm.max_response_len": max_response_len}
+    merged, out = {**NAIVE_GRPO, **base}, [("GRPO + KL", {"algorithm.preset": "grpo", **base})]
     for name, switches in chain:
         merged = {**merged, **switches}
         out.append((name, merged))
     return out
 
 
-def arm_overrides(task: str, index: int) -> list[str]:
+def arm_overrides(task: str, index: int, limit: tuple[int, int] | None = None) -> list[str]:
     """The `section.key=value` overrides of arm `index`."""
-    return [f"{key}={json.dumps(value)}" for key, value in arms(task)[index][1].items()]
+    return [f"{key}={json.dumps(value)}" for key, value in arms(task, limit)[index][1].items()]
 
 
 # --quick: the suite's check that every arm runs and the table prints, nothing to read in its numbers.
 QUICK = {"batch_size": 8, "eval_prompts": 8, "steps": 1, "reward_workers": 1}
 
 
-def run_config(task: str, folder: Path, run_dir: Path, index: int, seed: int, quick: bool):
+def run_config(task: str, folder: Path, run_dir: Path, index: int, seed: int, quick: bool,
+               limit: tuple[int, int] | None = None):
     """Arm `index`'s config: the demo's DAPO phase for `task` (made in `folder`) with the arm's switches."""
     from megatron_dapo.demo import dapo_config, without_recipe
     from megatron_dapo.run_config import config_from_dict
@@ -92,16 +102,17 @@ def run_config(task: str, folder: Path, run_dir: Path, index: int, seed: int, qu
         data["algorithm"] = {**data["algorithm"], "batch_size": QUICK["batch_size"]}
         data["eval"]["max_prompts"] = QUICK["eval_prompts"]
         data["reward"] = {**data["reward"], "num_workers": QUICK["reward_workers"]}
-    return config_from_dict(data, arm_overrides(task, index))
+    return config_from_dict(data, arm_overrides(task, index, limit))
 
 
-def run_arm(task: str, folder: Path, run_dir: Path, index: int, seed: int, budget: int, quick: bool) -> dict:
+def run_arm(task: str, folder: Path, run_dir: Path, index: int, seed: int, budget: int, quick: bool,
+            limit: tuple[int, int] | None = None) -> dict:
     """Train arm `index` until `budget` samples are generated, then evaluate (in a child process of its own, or
     in this one with --quick)."""
     from megatron_dapo.parallel.runtime import free_port
     from megatron_dapo.trainer import DapoTrainer
 
-    cfg = run_config(task, folder, run_dir, index, seed, quick)
+    cfg = run_config(task, folder, run_dir, index, seed, quick, limit)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ["MASTER_PORT"] = str(free_port())
     trainer = DapoTrainer(cfg)
@@ -135,15 +146,18 @@ def prepare(task: str, folder: Path) -> Path:
     return folder
 
 
-def check_last_arm_is_dapo(task: str, folder: Path, out: Path) -> None:
+def check_last_arm_is_dapo(task: str, folder: Path, out: Path, limit: tuple[int, int] | None = None) -> None:
     """The chain's end is preset dapo, switch for switch."""
     from megatron_dapo.algorithm.presets import PRESETS
     from megatron_dapo.demo import dapo_config
     from megatron_dapo.run_config import config_from_dict
 
-    last = run_config(task, folder, out / "check", len(arms(task)) - 1, 0, quick=False)
+    last = run_config(task, folder, out / "check", len(arms(task)) - 1, 0, quick=False, limit=limit)
     data = dapo_config(folder, folder / "warm", out / "check", 0, task=task)  # the demo's recipe: DAPO's
-    dapo = config_from_dict({**data, "algorithm": {**data["algorithm"], "preset": "dapo"}})
+    max_response_len, cache_len = limits(task, limit)
+    dapo = config_from_dict({**data, "algorithm": {**data["algorithm"], "preset": "dapo",
+                                                   "max_response_len": max_response_len,
+                                                   "overlong_cache_len": cache_len}})
     for key in PRESETS["dapo"]:
         section, name = key.split(".")
         mine, theirs = getattr(getattr(last, section), name), getattr(getattr(dapo, section), name)
@@ -151,11 +165,14 @@ def check_last_arm_is_dapo(task: str, folder: Path, out: Path) -> None:
             raise SystemExit(f"the last arm is not DAPO: {key} is {mine!r}, preset dapo's {theirs!r}")
 
 
-def run_child(task: str, folder: Path, out: Path, index: int, seed: int, budget: int) -> dict:
+def run_child(task: str, folder: Path, out: Path, index: int, seed: int, budget: int,
+              limit: tuple[int, int] | None = None) -> dict:
     run_dir = out / f"arm{index}_seed{seed}"
     run_dir.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, __file__, "--task", task, "--task-dir", str(folder), "--out", str(out), "--arm",
            str(index), "--seed", str(seed), "--budget", str(budget)]
+    if limit:
+        cmd += ["--limit", *map(str, limit)]
     with open(run_dir / "log.txt", "w") as log:
         done = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "2"})
     if done.returncode:
@@ -239,13 +256,15 @@ def main() -> int:
     parser.add_argument("--task-dir", type=Path, help="a folder with the task's train.jsonl, eval.jsonl and warm/ "
                         "(default: made in --out)")
     parser.add_argument("--quick", action="store_true", help="1 seed, 1 step's samples of 8 x 8, 8 held-out problems")
+    parser.add_argument("--limit", type=int, nargs=2, metavar=("MAX_RESPONSE_LEN", "OVERLONG_CACHE_LEN"),
+                        help="the response limit and the soft punishment's interval, instead of the task's")
     parser.add_argument("--arm", type=int, help=argparse.SUPPRESS)  # the child process
     parser.add_argument("--seed", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--budget", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.arm is not None:
         result = run_arm(args.task, args.task_dir, args.out / f"arm{args.arm}_seed{args.seed}" / "run", args.arm,
-                         args.seed, args.budget, quick=False)
+                         args.seed, args.budget, quick=False, limit=args.limit)
         (args.out / f"arm{args.arm}_seed{args.seed}" / "result.json").write_text(json.dumps(result))
         return 0
 
@@ -255,9 +274,12 @@ def main() -> int:
     batch = QUICK["batch_size"] if args.quick else DAPO["algorithm"]["batch_size"]
     args.out.mkdir(parents=True, exist_ok=True)
     folder = args.task_dir or prepare(args.task, args.out / f"task-{args.task}")
-    check_last_arm_is_dapo(args.task, folder, args.out)
+    check_last_arm_is_dapo(args.task, folder, args.out, args.limit)
     names = [name for name, _ in arms(args.task)]
     budget = steps * batch * DAPO["algorithm"]["group_size"]
+    max_response_len, cache_len = limits(args.task, args.limit)
+    print(f"task {args.task}: responses up to {max_response_len} tokens, the soft punishment over the last "
+          f"{cache_len}", flush=True)
     results: dict[int, list[dict]] = {i: [] for i in range(len(names))}
     before = {}
     start = time.perf_counter()
@@ -265,8 +287,9 @@ def main() -> int:
         for index in range(len(names)):
             # The full run gives each arm a process of its own (no heap or allocator state carried into the next
             # one's timing); the quick one runs them here, one after another, at half the start-up cost.
-            r = (run_arm(args.task, folder, args.out / f"arm{index}_seed{seed}" / "run", index, seed, budget, True)
-                 if args.quick else run_child(args.task, folder, args.out, index, seed, budget))
+            r = (run_arm(args.task, folder, args.out / f"arm{index}_seed{seed}" / "run", index, seed, budget, True,
+                         args.limit)
+                 if args.quick else run_child(args.task, folder, args.out, index, seed, budget, args.limit))
             results[index].append(r)
             before = before or r["before"]
             print(f"seed {seed} {names[index]}: avg@{r['k']} {100 * r['avg']:.1f} %, {len(r['curve'])} steps, "

@@ -14,9 +14,8 @@ BENCH = Path(__file__).parents[1] / "bench" / "ablation.py"
 ARMS = ["GRPO + KL", "naive GRPO", "+ overlong filtering", "+ clip-higher", "+ soft punishment", "+ token-level loss",
         "+ dynamic sampling"]
 
-pytestmark = pytest.mark.slow
 
-
+@pytest.mark.slow
 def test_the_quick_ablation_runs_every_arm_in_the_papers_order_and_prints_its_table(chain, tmp_path):
     # A plain CPU run, as the bench and the demo run (the suite's device-faithful tagging doubles the in-process
     # engine's decoding time here: many small ops per token).
@@ -38,3 +37,17 @@ def test_the_quick_ablation_runs_every_arm_in_the_papers_order_and_prints_its_ta
         assert samples_per_trained == 1.0 if name != "+ dynamic sampling" else samples_per_trained > 1.0, name
     assert re.search(r"warm model: held-out avg@4 [\d.]+ %", done.stdout)
     assert (tmp_path / "ablation.png").stat().st_size > 10_000
+
+
+def test_a_response_limit_given_on_the_command_line_reaches_every_arm():
+    """--limit 56 16: every arm trains under the limit, and the soft punishment's interval is the one given."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("ablation", BENCH)
+    ablation = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ablation)
+    arms = ablation.arms("chain", (56, 16))
+    assert [name for name, _ in arms] == ARMS
+    assert all(switches["algorithm.max_response_len"] == 56 for _, switches in arms)
+    assert [s.get("algorithm.overlong_cache_len") for _, s in arms if s.get("algorithm.overlong_penalty")] == [16, 16, 16]
+    assert ablation.limits("chain", None) == (80, 24)  # the task's own

@@ -1,8 +1,12 @@
 """The demo's "chain" task, made for the paper's ablation (issue: long reasoning of varied length): sums of 2 to 10
 numbers with every partial sum written out. Its rows are right by math-verify and its held-out problems are not
-trained on, and its answers' lengths grow with the problem up to the response limit's soft-punishment interval."""
+trained on, its answers' lengths grow with the problem up to the response limit's soft-punishment interval, and the
+tiny model learns it with DAPO."""
+
+import statistics
 
 import pytest
+from conftest import train_in_process
 
 from megatron_dapo.data.held_out_split import problem_key, split_held_out
 from megatron_dapo.data.synthetic_math import generate_rows
@@ -55,3 +59,22 @@ def test_answers_grow_with_the_problem_into_the_soft_punishment_interval():
 def test_an_unknown_task_is_refused_by_name():
     with pytest.raises(ValueError, match="--task: one of sums, chain, got 'chains'"):
         demo_task("chains")
+
+
+@pytest.mark.slow
+def test_the_tiny_model_learns_the_chain_task(chain, tmp_path, monkeypatch):
+    """The demo's DAPO phase on the chain task (its shorter problems: the suite's warm start, see conftest's `chain`)
+    for 8 steps: the reward (+1 right, -1 wrong) rises. Measured (the suite's bf16): rollout accuracy 0.37 over the
+    first 3 steps, 0.48 over the last 3 (256 samples a step), held-out avg@4 (64 problems) 0.28 -> 0.38; in a busier
+    suite run 0.53 -> 0.61. The base model, right on nothing, could not pass; a step that unlearns falls instead."""
+    from megatron_dapo.demo import dapo_config
+
+    cfg = dapo_config(chain, chain / "warm", tmp_path / "run", seed=0, task="chain")
+    cfg["train"] = {**cfg["train"], "steps": 8, "tensorboard": False}
+    cfg["eval"] = {**cfg["eval"], "every": 0, "max_prompts": 64}
+    before, after, rows = train_in_process(cfg, tmp_path, monkeypatch)
+    accuracy = [r["accuracy"] for r in rows]
+    print(f"rollout accuracy per step {[round(a, 3) for a in accuracy]}; held-out avg@4 {before:.3f} -> {after:.3f}")
+    assert len(rows) == 8 and all(r["groups_kept"] > 0 for r in rows)
+    assert statistics.mean(accuracy[-3:]) > statistics.mean(accuracy[:3]) + 0.04
+    assert after >= before

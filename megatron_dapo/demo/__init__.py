@@ -45,11 +45,11 @@ DAPO = {
 }
 
 
-def prepare_task(out: Path, seed: int, moe: bool = False, task: str = "sums"):
+def prepare_task(out: Path, seed: int, moe: bool = False, task: str = "sums", rows: dict | None = None):
     """The demo task `task` in `out`: train.jsonl, eval.jsonl, the tiny random model (base/; a Qwen3-MoE with
-    `moe`); the warm start's pairs."""
+    `moe`); the warm start's pairs. `rows`: generate_rows' knobs over the task's (a narrower share of it)."""
     spec = demo_task(task)
-    rows = generate_rows(NUM_ROWS, seed, **spec.rows)
+    rows = generate_rows(NUM_ROWS, seed, **{**spec.rows, **(rows or {})})
     train, held_out = split_held_out(rows, NUM_EVAL, seed)
     write_rows(out / "train.jsonl", train)
     write_rows(out / "eval.jsonl", held_out)
@@ -60,10 +60,11 @@ def prepare_task(out: Path, seed: int, moe: bool = False, task: str = "sums"):
     return pairs
 
 
-def warm_task(out: Path, seed: int, moe: bool = False, task: str = "sums", **warm_start) -> tuple[int, float]:
+def warm_task(out: Path, seed: int, moe: bool = False, task: str = "sums", rows: dict | None = None,
+              **warm_start) -> tuple[int, float]:
     """prepare_task, then the supervised warm start of base/ into warm/ (the task's knobs, or `warm_start`'s where
     given): (its steps, its sampled accuracy)."""
-    pairs = prepare_task(out, seed, moe, task)
+    pairs = prepare_task(out, seed, moe, task, rows)
     knobs = {**demo_task(task).warm_start, **warm_start}
     return supervised_warm_start(out / "base", out / "warm", pairs, seed=seed, **knobs)
 
