@@ -49,5 +49,6 @@ def test_a_response_limit_given_on_the_command_line_reaches_every_arm():
     arms = ablation.arms("chain", (56, 16))
     assert [name for name, _ in arms] == ARMS
     assert all(switches["algorithm.max_response_len"] == 56 for _, switches in arms)
-    assert [s.get("algorithm.overlong_cache_len") for _, s in arms if s.get("algorithm.overlong_penalty")] == [16, 16, 16]
+    punished = [s for _, s in arms if s.get("algorithm.overlong_penalty")]
+    assert [s["algorithm.overlong_cache_len"] for s in punished] == [16, 16, 16]
     assert ablation.limits("chain", None) == (80, 24)  # the task's own

@@ -14,7 +14,8 @@ def test_the_packing_bench_prints_both_layouts_their_ratio_and_the_balance():
     done = subprocess.run([sys.executable, str(BENCH), "--tiny"], capture_output=True, text=True, timeout=600,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stdout + done.stderr[-4000:]
-    rows = {f[0]: f[1:] for f in map(str.split, done.stdout.splitlines()) if len(f) == 8 and f[0] in ("padded", "packed")}
+    rows = {f[0]: f[1:] for f in map(str.split, done.stdout.splitlines())
+            if len(f) == 8 and f[0] in ("padded", "packed")}
     assert set(rows) == {"padded", "packed"} and float(rows["packed"][0]) == 0.0 < float(rows["padded"][0])
     assert rows["packed"][4] == "-"  # MFU: on a GPU only
     assert abs(float(rows["packed"][6]) - float(rows["padded"][6])) < 1e-5

@@ -10,8 +10,9 @@
 # 3. runs each check under a time limit, going on after a failure: the CUDA tests of the fused op, its
 #    benchmark and host overhead, the policy in bf16 against transformers (dense, and a MoE at EP = 1), a
 #    short DAPO run end to end (tests/gpu/e2e_dapo.py), a train step's MFU and peak memory against preflight's,
-#    packed against padded micro-batches (tokens/s, MFU), the weights' export bandwidth, megatron-core's fusions each against the step as shipped, the log-prob memory
-#    benchmark, the SDPA attention's memory at 22.5k tokens against megatron's;
+#    packed against padded micro-batches (tokens/s, MFU), the weights' export bandwidth, megatron-core's fusions
+#    each against the step as shipped, the log-prob memory benchmark, the SDPA attention's memory at 22.5k tokens
+#    against megatron's;
 # 4. writes the summary table (step, status, seconds, key figures) to ${OUT:-tests/gpu/results}/gpu_check.md,
 #    each step's log beside it, prints it, and exits 1 if any step failed.
 # Settings: PY, OUT, TORCH_CUDA_ARCH_LIST, GPU_CHECK_BUDGET_S (default 440: the seconds all steps may take).
