@@ -41,9 +41,12 @@ def test_tensors_say_where_a_gpu_run_keeps_them(faithful):
 
 def test_places_of_freed_storages_are_dropped_and_live_ones_kept(faithful, monkeypatch):
     """The place table is keyed by storage id: the entries of freed storages go when it outgrows its bound (an id
-    may be reused by a new storage, which must not inherit the old place), and a live tensor keeps its place."""
+    may be reused by a new storage, which must not inherit the old place), and a live tensor keeps its place. A
+    table of its own: the storages earlier tests in this process keep alive (megatron-core's caches) would raise
+    the bound."""
     from megatron_dapo.parallel import device_faithful
 
+    monkeypatch.setattr(device_faithful, "_place", {})
     monkeypatch.setattr(device_faithful, "_PURGE_FLOOR", 64)
     monkeypatch.setattr(device_faithful, "_purge_above", [64])
     kept = torch.zeros(3, device="cuda")
