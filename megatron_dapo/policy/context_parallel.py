@@ -49,7 +49,8 @@ def split_micro_batch(mb: MicroBatch, cp_size: int, cp_rank: int) -> MicroBatch:
     keeps its global cu_seqlens: megatron-core's rotary embedding and the attention derive the local ones."""
     if cp_size == 1:
         return mb
-    keep = kept_positions(_segments(mb), cp_size, cp_rank)
+    segments = _segments(mb)
+    keep = kept_positions(segments, cp_size, cp_rank)
     rows = mb.input_ids.shape[0]
     local = torch.full((mb.input_ids.numel(),), -1, dtype=torch.long)
     local[keep] = torch.arange(keep.numel())
@@ -58,9 +59,9 @@ def split_micro_batch(mb: MicroBatch, cp_size: int, cp_rank: int) -> MicroBatch:
     routes = None
     if mb.routes is not None:
         routes = mb.routes.reshape(-1, *mb.routes.shape[2:])[keep].reshape(rows, -1, *mb.routes.shape[2:])
-    starts = [a for a, _ in _segments(mb)]
-    position_ids = keep - torch.tensor(starts).repeat_interleave(
-        torch.tensor([b - a for a, b in _segments(mb)]) // cp_size)
+    # each kept position less its sequence's start; a sequence keeps 1 / cp_size of its tokens
+    starts = torch.tensor([a for a, _ in segments])
+    position_ids = keep - starts.repeat_interleave(torch.tensor([b - a for a, b in segments]) // cp_size)
     return replace(mb, input_ids=mb.input_ids.reshape(-1)[keep].reshape(rows, -1), targets=mb.targets[keep],
                    response_positions=at[mine], response_order=torch.arange(at.numel())[mine], routes=routes,
                    position_ids=position_ids.reshape(rows, -1))

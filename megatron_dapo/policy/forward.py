@@ -63,10 +63,7 @@ def model_micro_batches(config, sequences: list[Sequence], max_tokens: int, devi
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=parallel_state.get_data_parallel_group())
         count = int(agreed.item())
     mbs = micro_batches(sequences, max_tokens, multiple, count, packed, per_sequence)
-    cp = config.context_parallel_size
-    if cp == 1:
-        return mbs
-    rank = parallel_state.get_context_parallel_rank()
+    cp, rank = config.context_parallel_size, parallel_state.get_context_parallel_rank()
     return [split_micro_batch(mb, cp, rank) for mb in mbs]
 
 

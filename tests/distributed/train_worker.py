@@ -7,7 +7,8 @@ parallelism; cp: context parallelism over 2 ranks). Per layout the weight change
 HF names, goes to OUT_DIR/{tag}-stage{pp_rank}.pt from the ranks with tp_rank = dp_rank = cp_rank = 0; the step's
 loss and grad norm to OUT_DIR/{tag}.json, with how many layer checkpoints megatron-core made on each rank, and
 (PP = 1) the log-probs and entropies of the whole batch before the step.
-Layout "adam" runs 6 Adam steps at TP=2 and records the loss; "nan" poisons one micro-batch (nan.json); "bf16"
+Layout "adam" runs 6 Adam steps at TP=2 and records the loss, "adam-cp-bf16" the same at CP=2 in bf16 (fp32
+master weights); "nan" poisons one micro-batch (nan.json); "bf16"
 takes one update of a bf16 model under each bf16 optimizer (bf16.json).
 """
 
@@ -30,6 +31,7 @@ from megatron_dapo.policy.hf_config import model_spec_from_hf
 from megatron_dapo.policy.train_step import LossConfig, OptimConfig, PolicyTrainer, RolloutSample
 
 LENGTHS = ((5, 20), (3, 41), (9, 4), (2, 60), (7, 13), (4, 30), (6, 9), (3, 25))
+ADAM = {"adam": "2,1,200", "adam-cp-bf16": "1,1,200,cp"}  # the Adam layouts' tp,pp,micro_batch_tokens[,cp]
 
 
 def batch(hf):
@@ -180,8 +182,8 @@ def sample_level_reference(hf, samples, loss):
 def run_layout(out_dir, layout, spec, hf):
     from megatron.core import parallel_state
 
-    adam = layout == "adam"
-    fields = ["2", "1", "200"] if adam else layout.split(",")
+    adam = layout in ADAM
+    fields = ADAM[layout].split(",") if adam else layout.split(",")
     recompute, sample_level, packed = "r" in fields[3:], "s" in fields[3:], "p" in fields[3:]
     if len(fields) < 3 or not set(fields[3:]) <= {"r", "s", "p", "sp", "cp"}:
         raise SystemExit(f"bad layout {layout!r}: expected tp,pp,micro_batch_tokens[,r][,s][,p][,sp][,cp]")
@@ -195,19 +197,19 @@ def run_layout(out_dir, layout, spec, hf):
              OptimConfig(lr=1e3, adam_eps=1e3, warmup_steps=0, weight_decay=0.0, clip_grad=0.0))
     loss = LossConfig(dual_clip_c=3.0, aggregation="sample" if sample_level else "token")
     trainer = PolicyTrainer(spec, parallel, runtime.device, optim, loss, mb_tokens,
-                            activation_recompute="full" if recompute else "none", params_dtype=PARITY_DTYPE,
-                            packed=packed)
+                            activation_recompute="full" if recompute else "none",
+                            params_dtype=torch.bfloat16 if layout.endswith("bf16") else PARITY_DTYPE, packed=packed)
     load_policy_weights(trainer, hf.state_dict().__getitem__)
     dp, dp_rank = runtime.data_parallel, parallel_state.get_data_parallel_rank()
     samples = batch(hf)
     mine = samples[dp_rank::dp]
-    tag = "adam" if adam else f"tp{tp}-pp{pp}-dp{dp}-mb{mb_tokens}" + "".join(f"-{f}" for f in fields[3:])
+    tag = layout if adam else f"tp{tp}-pp{pp}-dp{dp}-mb{mb_tokens}" + "".join(f"-{f}" for f in fields[3:])
     counts = [None] * dist.get_world_size()
     multiple, per_sequence = layout_multiples(trainer.module.config)
     dist.all_gather_object(counts, len(micro_batches([s.sequence for s in mine], mb_tokens, multiple, packed=packed,
                                                      sequence_multiple=per_sequence)))
     record = {"micro_batches_per_rank": counts}
-    if pp == 1 and dp == 1:
+    if pp == 1 and dp == 1 and not adam:
         out = response_logprobs(trainer.module, [s.sequence for s in samples], vocab_size=spec.vocab_size,
                                 max_positions=spec.max_position_embeddings, max_tokens_per_micro_batch=mb_tokens,
                                 device=runtime.device, packed=packed)
