@@ -97,6 +97,14 @@ def test_sglang_logprobs_equal_the_megatron_policy(rollouts, tmp_path, tp, tempe
         assert result["max_abs_diff_untempered"] > 0.1
 
 
+def test_a_cpu_server_forks_its_scheduler_and_detokenizer(server, second_server):
+    """cpu_shim/dapo_cpu_fork.py: on the CPU, SGLang's children are forked from its launcher, not spawned to import
+    everything again (the servers of every other test here serve through them)."""
+    _, _, root = server
+    for log in (root / "server.log", second_server.log_path):
+        assert "CPU server: its scheduler and detokenizer are forked from the launcher" in log.read_text(), log
+
+
 def test_servers_we_start_drop_sglang_return_original_logprob(tmp_path, monkeypatch):
     monkeypatch.setenv("SGLANG_RETURN_ORIGINAL_LOGPROB", "1")
     server = SGLangServer(SGLangServerConfig("m", device="cpu"), tmp_path / "log")
