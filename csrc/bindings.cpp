@@ -1,7 +1,9 @@
 // Registers the fused DAPO loss with torch.library: argument checks that name the bad argument,
 // output allocation, and the device dispatch. The math lives in dapo_loss_math.h, the autograd in
 // dapo_loss_autograd.cpp.
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <pybind11/pybind11.h>
 #include <torch/library.h>
 
 #include "dapo_loss.h"

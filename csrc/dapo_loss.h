@@ -1,7 +1,7 @@
 // Kernel entry points of the fused DAPO loss; bindings.cpp checks the arguments and dispatches here.
 #pragma once
 
-#include <torch/types.h>
+#include <ATen/core/Tensor.h>
 
 #include "dapo_loss_math.h"
 

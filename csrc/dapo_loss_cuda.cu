@@ -3,6 +3,7 @@
 // partial sums go to a small buffer that one block then reduces in a fixed order, so results are
 // run-to-run identical.
 #include <ATen/Dispatch.h>
+#include <ATen/ops/empty.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>

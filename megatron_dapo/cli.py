@@ -6,7 +6,6 @@ import argparse
 import logging
 import sys
 
-from megatron_dapo.demo.tasks import TASKS
 from megatron_dapo.observability.run_logging import setup_run_logging
 
 log = logging.getLogger("megatron_dapo.cli")  # not __name__: "__main__" under python -m would not count as ours
@@ -32,6 +31,11 @@ def main(argv: list[str] | None = None) -> int:
                            help="memory bandwidth of one GPU (default: H100 SXM's)")
     preflight.add_argument("--gpus", type=int, default=None,
                            help="trainer GPUs (processes); default: what the config implies, printed")
+    # Imported here, not at the top: multiprocessing's spawned children (reward workers, the rollout service, the
+    # checkpoint writer's helper) run this module again as their __main__, and the demo package loads torch and
+    # transformers, 2.5 s of CPU per child spent for nothing.
+    from megatron_dapo.demo.tasks import TASKS
+
     demo = commands.add_parser("demo", help="a tiny model learns arithmetic with DAPO on this CPU, in minutes")
     demo.add_argument("--output", default="runs/demo", help="folder for the data, models, metrics and plot")
     demo.add_argument("--seed", type=int, default=0)
