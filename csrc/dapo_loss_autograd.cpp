@@ -11,7 +11,9 @@
 #include <ATen/FuncTorchTLS.h>
 #include <ATen/TensorSubclassLikeUtils.h>
 #include <ATen/core/dispatch/Dispatcher.h>
-#include <torch/autograd.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/mul.h>
+#include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/library.h>
 

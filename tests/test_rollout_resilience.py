@@ -292,9 +292,9 @@ def test_a_server_killed_mid_rollout_is_restarted_and_no_sample_is_lost(setup, t
     samples = [{"prompt": prompts[s.prompt_index], "output": s.output_ids, "logprobs": s.logprobs}
                for g in groups for s in g]
     (tmp_path / "samples.json").write_text(json.dumps(samples))
-    torchrun("rollout_parity_worker.py", 1, str(tmp_path / "out.json"), str(root / "model"),
-             str(tmp_path / "samples.json"), "1", "0.7")
-    result = json.loads((tmp_path / "out.json").read_text())
+    torchrun("rollout_parity_worker.py", 1, str(tmp_path / "out.json"), str(root / "model"), "1",
+             f"{tmp_path / 'samples.json'}:0.7")
+    result = json.loads((tmp_path / "out.json").read_text())["0.7"]
     assert result["tokens"] == sum(len(s["output"]) for s in samples)
     assert result["max_abs_diff"] < 1e-4
 

@@ -79,19 +79,36 @@ def test_eight_prompts_times_four_samples(rollout):
     assert len({tuple(s.output_ids) for g in groups for s in g}) > 8  # sampled, not greedy copies
 
 
+@pytest.fixture(scope="module")
+def recomputed(server, rollouts, tmp_path_factory):
+    """tp -> the policy's recompute of both temperatures' samples at that TP: one start of its ranks for both."""
+    _, _, root = server
+    results = {}
+
+    def at(tp: int) -> dict:
+        if tp not in results:
+            work = tmp_path_factory.mktemp(f"parity-tp{tp}")
+            sampled = []
+            for t, (prompts, groups, _) in rollouts.items():
+                samples = [{"prompt": prompts[s.prompt_index], "output": s.output_ids, "logprobs": s.logprobs}
+                           for g in groups for s in g]
+                (work / f"samples-{t}.json").write_text(json.dumps(samples))
+                sampled.append(f"{work / f'samples-{t}.json'}:{t}")
+            torchrun("rollout_parity_worker.py", tp, str(work / "out.json"), str(root / "model"), str(tp), *sampled)
+            results[tp] = json.loads((work / "out.json").read_text())
+        return results[tp]
+
+    return at
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 @pytest.mark.parametrize("tp", [1, 2])
-def test_sglang_logprobs_equal_the_megatron_policy(rollouts, tmp_path, tp, temperature):
+def test_sglang_logprobs_equal_the_megatron_policy(rollouts, recomputed, tp, temperature):
     """SGLang's log-probs of the tokens it sampled at `temperature` are the trainer's old log-probs: the policy's
     log_softmax(logits / temperature) (and, at 0.7, not the temperature-1 ones)."""
-    prompts, groups, root = rollouts[temperature]
-    samples = [{"prompt": prompts[s.prompt_index], "output": s.output_ids, "logprobs": s.logprobs}
-               for g in groups for s in g]
-    (tmp_path / "samples.json").write_text(json.dumps(samples))
-    torchrun("rollout_parity_worker.py", tp, str(tmp_path / "out.json"), str(root / "model"),
-             str(tmp_path / "samples.json"), str(tp), str(temperature))
-    result = json.loads((tmp_path / "out.json").read_text())
-    assert result["tokens"] == sum(len(s["output"]) for s in samples)
+    _, groups, _ = rollouts[temperature]
+    result = recomputed(tp)[str(temperature)]
+    assert result["tokens"] == sum(len(s.output_ids) for g in groups for s in g)
     assert result["max_abs_diff"] < 1e-4
     if temperature != 1.0:
         assert result["max_abs_diff_untempered"] > 0.1
