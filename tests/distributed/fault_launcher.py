@@ -19,10 +19,8 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-
-from megatron_dapo import cli
+# torch is imported by the faults that need it, not here: multiprocessing's spawned children of the run (its reward
+# workers, rollout service, checkpoint helper) import this module again as their __main__.
 
 
 def fired(note: str = "") -> None:
@@ -35,6 +33,9 @@ def checkpoint_folder() -> str:
 
 
 def inject_ckpt_enospc() -> None:
+    import torch
+    import torch.distributed as dist
+
     save = torch.save
 
     def failing_save(obj, f, *args, **kwargs):
@@ -61,6 +62,9 @@ def inject_ckpt_stall() -> None:
 
 
 def inject_nan_logprobs() -> None:
+    import torch
+    import torch.distributed as dist
+
     from megatron_dapo.policy import rollout_samples
     from megatron_dapo.policy.batch import micro_batches
     from megatron_dapo.loop.batch_feed import BatchFeed
@@ -92,6 +96,8 @@ def inject_nan_logprobs() -> None:
 
 
 if __name__ == "__main__":
+    from megatron_dapo import cli
+
     {"ckpt_enospc": inject_ckpt_enospc, "ckpt_stall": inject_ckpt_stall,
      "nan_logprobs": inject_nan_logprobs}[os.environ["DAPO_FAULT"]]()
     sys.exit(cli.main(sys.argv[1:]))
