@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from concurrent.futures import wait
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -32,6 +33,7 @@ from tiny_models import hf_model  # noqa: E402
 from megatron_dapo.checkpoint.hf_mapping import hf_names, hf_shape, megatron_names  # noqa: E402
 from megatron_dapo.config import ParallelConfig  # noqa: E402
 from megatron_dapo.policy.hf_config import model_spec_from_hf  # noqa: E402
+from megatron_dapo.rollout.server_key import auth_headers  # noqa: E402
 from megatron_dapo.rollout.sglang_server import SGLangServer, SGLangServerConfig, post_json  # noqa: E402
 from megatron_dapo.weight_sync import ROUTES, buckets, make_weight_syncer, server_calls  # noqa: E402
 
@@ -254,6 +256,27 @@ def test_a_failed_push_walks_on_ends_the_update_meets_the_barrier_and_raises_its
         server_calls.push_buckets(["http://127.0.0.1:1", dead], walk(), push, 1.0)
     assert walked == [1, 2, 3, 4, 5] and pushed == ["w1"]  # walked to the end, pushed no more after the failure
     assert calls == ["/begin_weight_update", "/end_weight_update", "barrier"]
+
+@pytest.mark.slow
+def test_an_update_between_batches_waits_until_the_server_has_no_request_left(server):
+    """one_step_off's sync once the next batch is full: the groups it no longer needs were aborted, but their
+    requests can still be on a server for a moment, and an update then loads the weights but not the cache flush
+    (SGLang: HTTP 400; a SLURM run met it and failed). servers_idle waits for the server to be idle and flushes,
+    and the update goes through."""
+    srv, root = server
+    update = {"model_path": str(root / "model"), "weight_version": "0", "flush_cache": True}
+    streamed = urllib.request.Request(  # 8 x 80 tokens, streamed: its first chunk says the server is decoding
+        f"{srv.url}/generate", headers={"Content-Type": "application/json", **auth_headers()},
+        data=json.dumps({"input_ids": [8, 9], "stream": True,
+                         "sampling_params": {"n": 8, "max_new_tokens": 80, "ignore_eos": True}}).encode())
+    with urllib.request.urlopen(streamed, timeout=300) as stream:
+        assert stream.readline().startswith(b"data:")
+        with pytest.raises(server_calls.WeightUpdateError, match="cache was not flushed because requests are still"):
+            server_calls.call(srv.url, "/update_weights_from_disk", update, 300)
+        assert server_calls.servers_idle([srv.url], 300) == [srv.url]
+        assert stream.read().rstrip().endswith(b"data: [DONE]")  # it ran to its end meanwhile
+    server_calls.call(srv.url, "/update_weights_from_disk", update, 300)
+
 
 @pytest.mark.slow
 def test_colocated_release_resume_and_sync_from_the_servers_node(server, tmp_path):

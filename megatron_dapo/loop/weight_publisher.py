@@ -16,7 +16,7 @@ from megatron_dapo.parallel.runtime import Runtime
 from megatron_dapo.run_config import DapoConfig
 from megatron_dapo.weight_sync import make_weight_syncer
 from megatron_dapo.weight_sync.disk import DiskSyncer
-from megatron_dapo.weight_sync.server_calls import call_all, generation_paused
+from megatron_dapo.weight_sync.server_calls import call_all, generation_paused, servers_idle
 
 log = logging.getLogger(__name__)
 
@@ -55,9 +55,13 @@ class WeightPublisher:
             if self.local_engine is not None:
                 self.local_engine.weight_version = version
             return
-        paused = (generation_paused(self.server_urls, self.timeout_s) if live and dist.get_rank() == 0
-                  else nullcontext(self.server_urls))
-        with paused as up:
+        if dist.get_rank() != 0:
+            ready = nullcontext(self.server_urls)
+        elif live:
+            ready = generation_paused(self.server_urls, self.timeout_s)
+        else:  # between batches: the leftovers of the last one's aborted groups gone first
+            ready = nullcontext(servers_idle(self.server_urls, self.timeout_s))
+        with ready as up:
             # A server down now is left out: the service restarts it, and the driver then resyncs it (RESYNC).
             result = self.syncer.sync(self.model, version, skip=[u for u in self.server_urls if u not in up])
         if result is not None:

@@ -72,13 +72,15 @@ def wait_until(check: Callable[[], bool], timeout_s: float, poll_s: float = 1.0)
     return False
 
 
-def post_json(url: str, payload: dict, timeout: float) -> dict | list | None:
-    """POST `payload` as JSON; the JSON answer, or None when the answer is empty (e.g. /abort_request)."""
+def post_json(url: str, payload: dict, timeout: float) -> dict | list | str | None:
+    """POST `payload` as JSON; the JSON answer, None when the answer is empty (e.g. /abort_request), its text when
+    it is plain text (/flush_cache)."""
     req = urllib.request.Request(url, data=json.dumps(payload).encode(),
                                  headers={"Content-Type": "application/json", **auth_headers()})
     with urllib.request.urlopen(req, timeout=timeout) as resp:
         body = resp.read()
-    return json.loads(body) if body.strip() else None
+        text = resp.headers.get_content_type() == "text/plain"
+    return body.decode(errors="replace") if text else json.loads(body) if body.strip() else None
 
 
 class ServerProcess:

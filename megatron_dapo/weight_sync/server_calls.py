@@ -77,6 +77,16 @@ def call_up(urls: list[str], endpoint: str, payload: dict, timeout_s: float) -> 
     return up
 
 
+def servers_idle(urls: list[str], timeout_s: float) -> list[str]:
+    """Before an update between batches: wait until each server has finished or dropped every request, then flush
+    its cache. An aborted group's requests can stay on a server for a moment after the abort was answered, and an
+    update meanwhile loads the weights but flushes nothing (SGLang answers 400, "the cache was not flushed because
+    requests are still running"). SGLang's deferred /flush_cache waits for the server to be idle; one still busy
+    after the wait is an error. The servers that answered (one down is left out, as in call_up)."""
+    wait = max(timeout_s - 30.0, timeout_s / 2)  # the server gives up before this call does
+    return call_up(urls, f"/flush_cache?timeout={wait:g}", {}, timeout_s)
+
+
 @contextmanager
 def generation_paused(urls: list[str], timeout_s: float) -> Iterator[list[str]]:
     """Pause the servers' generation for a weight update pushed while they sample, then let it go on. The
