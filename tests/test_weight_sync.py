@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 import urllib.request
-from concurrent.futures import wait
+from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -271,9 +271,16 @@ def test_an_update_between_batches_waits_until_the_server_has_no_request_left(se
                          "sampling_params": {"n": 8, "max_new_tokens": 80, "ignore_eos": True}}).encode())
     with urllib.request.urlopen(streamed, timeout=300) as stream:
         assert stream.readline().startswith(b"data:")
+        # Held on the server (paused in place): still there when the update comes, however fast this CPU decodes.
+        server_calls.call(srv.url, "/pause_generation", {"mode": "in_place"}, 60)
         with pytest.raises(server_calls.WeightUpdateError, match="cache was not flushed because requests are still"):
             server_calls.call(srv.url, "/update_weights_from_disk", update, 300)
-        assert server_calls.servers_idle([srv.url], 300) == [srv.url]
+        with ThreadPoolExecutor(1) as pool:
+            idle = pool.submit(server_calls.servers_idle, [srv.url], 300)
+            time.sleep(1.0)
+            assert not idle.done()  # it waits for the request
+            server_calls.call(srv.url, "/continue_generation", {}, 60)
+            assert idle.result() == [srv.url]
         assert stream.read().rstrip().endswith(b"data: [DONE]")  # it ran to its end meanwhile
     server_calls.call(srv.url, "/update_weights_from_disk", update, 300)
 

@@ -79,8 +79,12 @@ def post_json(url: str, payload: dict, timeout: float) -> dict | list | str | No
                                  headers={"Content-Type": "application/json", **auth_headers()})
     with urllib.request.urlopen(req, timeout=timeout) as resp:
         body = resp.read()
-        text = resp.headers.get_content_type() == "text/plain"
-    return body.decode(errors="replace") if text else json.loads(body) if body.strip() else None
+    if not body.strip():
+        return None
+    try:
+        return json.loads(body)
+    except ValueError:  # /flush_cache answers in plain text, without a content type
+        return body.decode(errors="replace")
 
 
 class ServerProcess:
