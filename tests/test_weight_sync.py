@@ -1,7 +1,8 @@
 """Weight sync from a TP x PP (or CP) split Megatron policy into a real SGLang server, through each route.
 
-One torchrun run per layout does one optimizer step, then for every route puts the server back to the
-original weights, syncs, and samples again; the cases below read that run's record for their route.
+One torchrun run does, for each layout over the same 2 ranks, one optimizer step, then for every route puts
+the server back to the original weights, syncs, and samples again; the cases below read that run's record for
+their layout and route.
 The distributed route is also taken across a server restart and across a server killed in the middle
 of a sync, and the tensor route in the colocated order (release the server's memory, resume its weights,
 sync from the trainer rank on its node, resume its caches); bucket packing, bad settings and a failed
@@ -34,10 +35,10 @@ from megatron_dapo.checkpoint.hf_mapping import hf_names, hf_shape, megatron_nam
 from megatron_dapo.config import ParallelConfig  # noqa: E402
 from megatron_dapo.policy.hf_config import model_spec_from_hf  # noqa: E402
 from megatron_dapo.rollout.server_key import auth_headers  # noqa: E402
-from megatron_dapo.rollout.sglang_server import SGLangServer, SGLangServerConfig, post_json  # noqa: E402
+from megatron_dapo.rollout.sglang_server import SGLangServer, SGLangServerConfig  # noqa: E402
 from megatron_dapo.weight_sync import ROUTES, buckets, make_weight_syncer, server_calls  # noqa: E402
 
-LAYOUTS = {"tp2": (2, 1, 1), "pp2": (1, 2, 1), "cp2": (1, 1, 2)}  # (TP, PP, CP)
+LAYOUTS = ("tp2", "pp2", "cp2")  # each over the same 2 ranks
 BUCKET_MB = 0.05  # the tiny model spreads over many buckets, and its embedding is bigger than one
 
 
@@ -49,20 +50,16 @@ def server(shared_sglang):
 
 @pytest.fixture(scope="module")
 def synced(server, tmp_path_factory):
-    """layout -> the worker's record (run once per layout, on demand)."""
+    """layout -> the worker's record (every layout in one start of the ranks, on first use)."""
     srv, root = server
     records = {}
 
     def run(layout: str) -> dict:
-        if layout not in records:
-            tp, pp, cp = LAYOUTS[layout]
-            reset = post_json(f"{srv.url}/update_weights_from_disk",
-                              {"model_path": str(root / "model"), "weight_version": "0"}, 300)
-            assert reset["success"], reset
-            work = tmp_path_factory.mktemp(f"sync-{layout}")
-            torchrun("weight_sync_worker.py", tp * pp * cp, str(work / "out.json"), str(root / "model"), srv.url,
-                     str(work), str(tp), str(pp), ",".join(ROUTES), str(BUCKET_MB), "1", str(cp))
-            records[layout] = json.loads((work / "out.json").read_text())
+        if not records:
+            work = tmp_path_factory.mktemp("sync")
+            torchrun("weight_sync_worker.py", 2, str(work / "out.json"), str(root / "model"), srv.url, str(work),
+                     ",".join(LAYOUTS), ",".join(ROUTES), str(BUCKET_MB))
+            records.update(json.loads((work / "out.json").read_text()))
         return records[layout]
 
     return run

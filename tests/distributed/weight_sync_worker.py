@@ -1,12 +1,15 @@
-"""torchrun worker: one optimizer step at TP x PP (x CP), then, for each weight-sync route in turn, the running
-SGLang server is put back to the original weights and synced through that route; new samples from the
-server are checked against the updated policy's log-probs.
+"""torchrun worker: for each layout in turn, one optimizer step at that layout, then, for each weight-sync route
+in turn, the running SGLang server is put back to the original weights and synced through that route; new
+samples from the server are checked against the updated policy's log-probs. The layouts share one start of
+the ranks (each is set up anew on the same torch.distributed group), which is most of a layout's CPU here.
 
-argv: OUT_JSON MODEL_DIR SERVER_URL WORK_DIR TP PP ROUTES (comma-separated) BUCKET_MB [EP [CP]]
-(EP > 1: a mixture of experts' experts over the data-parallel ranks; CP > 1: context parallelism.)
+argv: OUT_JSON MODEL_DIR SERVER_URL WORK_DIR LAYOUTS ROUTES BUCKET_MB, both lists comma-separated, a layout
+named by its sizes: tp2, pp2, cp2, ep2 (a mixture of experts' experts over the data-parallel ranks), tp2pp2...
+OUT_JSON: layout -> its record.
 """
 
 import json
+import re
 import sys
 
 import torch
@@ -16,7 +19,7 @@ from tiny_models import PARITY_DTYPE
 from megatron_dapo.checkpoint.hf_weights import load_policy_weights
 from megatron_dapo.checkpoint.safetensors_io import HFCheckpoint
 from megatron_dapo.config import ParallelConfig
-from megatron_dapo.parallel.runtime import init_runtime, shutdown_runtime
+from megatron_dapo.parallel.runtime import init_runtime, reset_parallel_layout, shutdown_runtime
 from megatron_dapo.policy.batch import Sequence
 from megatron_dapo.policy.forward import response_logprobs
 from megatron_dapo.policy.hf_config import model_spec_from_hf
@@ -63,12 +66,21 @@ def versions(samples):
     return sorted({v for *_, v in samples})
 
 
-def main(out_json, model_dir, url, work_dir, tp, pp, routes, bucket_mb, ep="1", cp="1"):
+def parallel_config(layout: str) -> ParallelConfig:
+    sizes = {"tp": 1, "pp": 1, "cp": 1, "ep": 1}
+    parts = re.findall(r"(tp|pp|cp|ep)(\d+)", layout)
+    assert parts and "".join(k + n for k, n in parts) == layout, f"layout {layout!r}: expected e.g. tp2 or tp2pp2"
+    sizes.update({k: int(n) for k, n in parts})
+    return ParallelConfig(tensor_parallel=sizes["tp"], pipeline_parallel=sizes["pp"], context_parallel=sizes["cp"],
+                          expert_parallel=sizes["ep"], device="cpu", seed=3)
+
+
+def run_layout(parallel, model_dir, url, work_dir, routes, bucket_mb):
+    """This layout's record on the rank that reports it (the last stage's first TP, DP and CP rank), else None."""
     from megatron.core import parallel_state
 
-    parallel = ParallelConfig(tensor_parallel=int(tp), pipeline_parallel=int(pp), expert_parallel=int(ep),
-                              context_parallel=int(cp), device="cpu", seed=3)
     runtime = init_runtime(parallel)
+    reset_server(url, model_dir)
     ckpt = HFCheckpoint(model_dir)
     spec = model_spec_from_hf(ckpt.config)
     trainer = PolicyTrainer(spec, parallel, runtime.device, OptimConfig(lr=2e-2, warmup_steps=0), LossConfig(), 512,
@@ -99,10 +111,22 @@ def main(out_json, model_dir, url, work_dir, tp, pp, routes, bucket_mb, ep="1", 
             "reset": reset_diff, "versions_reset": versions(reset), "after": after_diff,
             "versions_after": versions(after), "samples_after": len(after),
             "bytes": metrics[0].bytes, "seconds": metrics[0].seconds}
-    if parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0 \
-            and parallel_state.get_data_parallel_rank() == 0 and parallel_state.get_context_parallel_rank() == 0:
+    reports = parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0 \
+        and parallel_state.get_data_parallel_rank() == 0 and parallel_state.get_context_parallel_rank() == 0
+    reset_parallel_layout()
+    return result if reports else None
+
+
+def main(out_json, model_dir, url, work_dir, layouts, routes, bucket_mb):
+    records = {}
+    for layout in layouts.split(","):
+        record = run_layout(parallel_config(layout), model_dir, url, f"{work_dir}/{layout}", routes, bucket_mb)
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, record)
+        records[layout] = next(r for r in gathered if r is not None)
+    if dist.get_rank() == 0:
         with open(out_json, "w") as f:
-            json.dump(result, f)
+            json.dump(records, f)
     shutdown_runtime()
 
 
