@@ -5,7 +5,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from torchrun_launch import torchrun
 
 sys.path.insert(0, str(Path(__file__).parent / "distributed"))
 from tiny_models import PARITY_DTYPE, VOCAB, hf_model  # noqa: E402
@@ -266,10 +265,3 @@ def test_bad_requests_are_refused_by_name(policy):
     with pytest.raises(ConfigError, match="eos_token_id"):
         hf_eos_token_ids({"vocab_size": VOCAB})
     assert hf_eos_token_ids({"eos_token_id": [3, 4]}) == [3, 4] and hf_eos_token_ids({"eos_token_id": 5}) == [5]
-
-
-@pytest.mark.slow
-def test_a_tensor_parallel_policy_is_refused(tmp_path):
-    torchrun("local_engine_worker.py", 2, str(tmp_path / "out.txt"))
-    message = (tmp_path / "out.txt").read_text()
-    assert "rollout.engine" in message and "TP=2" in message and "sglang" in message

@@ -1,5 +1,6 @@
 """A kept batch's responses -> training samples on the rank's device (old log-probs on every pipeline stage,
-truncated-IS weights, the KL reference), and the mismatch metrics reduced over the world, under torchrun."""
+truncated-IS weights, the KL reference), and the mismatch metrics reduced over the world, under torchrun. At the
+same split policies, the in-process engine refuses to sample (it needs TP = PP = CP = 1)."""
 
 import json
 
@@ -45,3 +46,10 @@ def test_with_the_engines_logprobs_as_pi_old_the_kl_references_distance_is_still
     assert got["reference_k3_sum"] == pytest.approx(want["rollout_reference_k3_sum"], rel=1e-3)
     assert got["reference_k3_sum"] > 1e-3  # the engine's log-probs are 0.05-noisy: the distance is not 0
     assert got["entropy_sum"] == got["mismatch_k3_sum"] == got["abs_max"] == 0
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_the_in_process_engine_refuses_a_split_policy_naming_the_engine_to_use(runs, layout):
+    tp, pp = (int(part[2:]) for part in layout.split("-"))
+    message = runs[layout]["local_engine_refusal"]
+    assert "rollout.engine" in message and f"TP={tp} x PP={pp} x CP=1" in message and "'sglang'" in message, message

@@ -1,5 +1,6 @@
 """torchrun worker: a rollout batch's responses -> training samples with the old policy's log-probs, truncated
-IS weights, a KL reference and the mismatch metrics reduced over the world, at the layouts given.
+IS weights, a KL reference and the mismatch metrics reduced over the world, at the layouts given; and the
+in-process engine's refusal of the policy split at each of them.
 
 argv: OUT_DIR LAYOUT [LAYOUT ...], a layout being tp,pp. Rank 0 writes OUT_DIR/tp{tp}-pp{pp}.json with the
 largest differences from a host recomputation over the transformers reference.
@@ -14,13 +15,14 @@ import torch.distributed as dist
 from tiny_models import PARITY_DTYPE, hf_model, hf_response_logprobs, sequences
 
 from megatron_dapo.checkpoint.hf_weights import load_hf_weights
-from megatron_dapo.config import ParallelConfig
+from megatron_dapo.config import ConfigError, ParallelConfig
 from megatron_dapo.parallel.rank_shares import PackedShare
 from megatron_dapo.parallel.runtime import init_runtime, reset_parallel_layout, shutdown_runtime
 from megatron_dapo.policy.hf_config import model_spec_from_hf
 from megatron_dapo.policy.mismatch import reduce_mismatch
 from megatron_dapo.policy.model import build_model
 from megatron_dapo.policy.rollout_samples import training_samples
+from megatron_dapo.rollout.local_engine import LocalEngine
 from megatron_dapo.samples import TrainItem
 
 TIS_CAP = 1.05
@@ -50,6 +52,15 @@ def items_and_expected(hf):
     return items, expected, [lp for lp, _ in hf_response_logprobs(hf, seqs)]
 
 
+def local_engine_refusal(model, spec, device) -> str:
+    try:
+        LocalEngine(model, vocab_size=spec.vocab_size, max_positions=spec.max_position_embeddings, eos_token_ids=[0],
+                    device=device)
+    except ConfigError as e:
+        return str(e)
+    raise AssertionError("LocalEngine accepted a split policy")
+
+
 def run_layout(out_dir, tp, pp, hf, spec):
     from megatron.core import parallel_state
 
@@ -73,11 +84,13 @@ def run_layout(out_dir, tp, pp, hf, spec):
     ref_err = max((s.ref_logp.double().cpu() - r).abs().max().item() for s, r in zip(samples, reference))
     on_device = all(t.is_cuda for s in samples
                     for t in (s.old_logp, s.advantages, s.loss_mask, s.loss_weight, s.ref_logp))
+    refusal = local_engine_refusal(stages[0], spec, runtime.device)
     if dist.get_rank() == 0:
         record = {"old_logp_err": old_err, "ref_logp_err": ref_err, "on_device": on_device,
                   "dtypes": [str(samples[0].loss_mask.dtype), str(samples[0].loss_weight.dtype)],
                   "left_out_masked": not bool(samples[1].loss_mask.any()),
-                  "metrics": metrics, "rollout_metrics": rollout_metrics, "expected": expected}
+                  "metrics": metrics, "rollout_metrics": rollout_metrics, "expected": expected,
+                  "local_engine_refusal": refusal}
         with open(os.path.join(out_dir, f"tp{tp}-pp{pp}.json"), "w") as f:
             json.dump(record, f)
     reset_parallel_layout()

@@ -35,7 +35,8 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
+# torch is imported where it is used: the reward workers, which multiprocessing spawns, import this file again and
+# need none of it (2 s of CPU each).
 
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
@@ -72,6 +73,7 @@ def make_task(task: Path, seed: int) -> dict:
 
 def parity_sequences(task: Path):
     """A few training prompts with their solutions, as the policy's and transformers' log-probs take them."""
+    import torch
     from transformers import AutoTokenizer
 
     from megatron_dapo.data.prompt_encoding import encode_prompt
@@ -88,17 +90,18 @@ def parity_sequences(task: Path):
     return seqs
 
 
-@torch.no_grad()
 def transformers_logprobs(model_dir: Path, seqs, device: str) -> list[torch.Tensor]:
     """Response-token log-probs (fp64, on the host) from the exported folder, computed in fp32."""
+    import torch
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
     out = []
-    for s in seqs:
-        logits = model(s.tokens[None].to(device)).logits[0].double()
-        logp = torch.log_softmax(logits, dim=-1)[s.prompt_len - 1:-1]
-        out.append(logp.gather(1, s.tokens[s.prompt_len:, None].to(device)).squeeze(1).cpu())
+    with torch.no_grad():
+        for s in seqs:
+            logits = model(s.tokens[None].to(device)).logits[0].double()
+            logp = torch.log_softmax(logits, dim=-1)[s.prompt_len - 1:-1]
+            out.append(logp.gather(1, s.tokens[s.prompt_len:, None].to(device)).squeeze(1).cpu())
     return out
 
 
@@ -106,7 +109,6 @@ def finite(x) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x)
 
 
-@torch.no_grad()
 def weights(trainer) -> list[torch.Tensor]:
     """The policy's parameters, copied to the host."""
     return [p.detach().cpu().clone() for p in trainer.policy.module.parameters()]
@@ -125,6 +127,8 @@ def mixed_groups(m: dict) -> float:
 
 def run(device: str, dtype: str, out: Path, task: Path | None, steps: int, seed: int, preset: str) -> dict:
     import dataclasses
+
+    import torch
 
     from megatron_dapo.checkpoint.hf_export import export_hf_checkpoint
     from megatron_dapo.parallel.runtime import free_port
@@ -277,6 +281,8 @@ def report(result: dict, problems: list[str]) -> None:
 
 
 def main(argv=None) -> int:
+    import torch
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", type=Path, help="working folder (default: a temporary one, removed afterwards)")
