@@ -64,17 +64,21 @@ def test_an_unknown_task_is_refused_by_name():
 @pytest.mark.slow
 def test_the_tiny_model_learns_the_chain_task(chain, tmp_path, monkeypatch):
     """The demo's DAPO phase on the chain task (its shorter problems: the suite's warm start, see conftest's `chain`)
-    for 8 steps: the reward (+1 right, -1 wrong) rises. Measured (the suite's bf16): rollout accuracy 0.37 over the
-    first 3 steps, 0.48 over the last 3 (256 samples a step), held-out avg@4 (64 problems) 0.28 -> 0.38; in a busier
-    suite run 0.53 -> 0.61. The base model, right on nothing, could not pass; a step that unlearns falls instead."""
+    for 30 steps: the reward (+1 right, -1 wrong) rises, on the rollouts and on the held-out problems (all 256, 4
+    samples each). Measured (the suite's bf16, seeds 0 and 1): rollout accuracy 0.41 over the first 5 steps, 0.52
+    over the last 5; held-out avg@4 0.308 -> 0.376 and 0.384. Fewer steps do not show it on every machine: the warm
+    model differs with the CPU's arithmetic, and on one the held-out accuracy went 0.308 -> 0.257 to 0.302 in 8 steps
+    and rose 0.017 to 0.025 in 20, while the rollouts' step-to-step noise (32 prompts of 2 to 4 numbers) is 0.05. The
+    base model, right on nothing, could not pass; a step that unlearns falls instead."""
     from megatron_dapo.demo import dapo_config
 
     cfg = dapo_config(chain, chain / "warm", tmp_path / "run", seed=0, task="chain")
-    cfg["train"] = {**cfg["train"], "steps": 8, "tensorboard": False}
-    cfg["eval"] = {**cfg["eval"], "every": 0, "max_prompts": 64}
+    cfg["train"] = {**cfg["train"], "steps": 30, "tensorboard": False}
+    cfg["eval"] = {**cfg["eval"], "every": 0}
     before, after, rows = train_in_process(cfg, tmp_path, monkeypatch)
     accuracy = [r["accuracy"] for r in rows]
     print(f"rollout accuracy per step {[round(a, 3) for a in accuracy]}; held-out avg@4 {before:.3f} -> {after:.3f}")
-    assert len(rows) == 8 and all(r["groups_kept"] > 0 for r in rows)
-    assert statistics.mean(accuracy[-3:]) > statistics.mean(accuracy[:3]) + 0.04
-    assert after >= before
+    assert len(rows) == 30 and all(r["groups_kept"] > 0 for r in rows)
+    assert statistics.mean(accuracy[-5:]) > statistics.mean(accuracy[:5]) + 0.05
+    # 1024 samples each side: a standard error of about 0.02 on the difference
+    assert after >= before + 0.02
