@@ -50,26 +50,19 @@ def server(shared_sglang):
 
 @pytest.fixture(scope="module")
 def synced(server, tmp_path_factory):
-    """layout -> the worker's record (every layout in one start of the ranks, on first use)."""
+    """layout -> the worker's record: every layout in one start of the ranks."""
     srv, root = server
-    records = {}
-
-    def run(layout: str) -> dict:
-        if not records:
-            work = tmp_path_factory.mktemp("sync")
-            torchrun("weight_sync_worker.py", 2, str(work / "out.json"), str(root / "model"), srv.url, str(work),
-                     ",".join(LAYOUTS), ",".join(ROUTES), str(BUCKET_MB))
-            records.update(json.loads((work / "out.json").read_text()))
-        return records[layout]
-
-    return run
+    work = tmp_path_factory.mktemp("sync")
+    torchrun("weight_sync_worker.py", 2, str(work / "out.json"), str(root / "model"), srv.url, str(work),
+             ",".join(LAYOUTS), ",".join(ROUTES), str(BUCKET_MB))
+    return json.loads((work / "out.json").read_text())
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("route", ROUTES)
 def test_after_a_step_and_a_sync_sglang_samples_from_the_new_policy(synced, layout, route):
-    r = synced(layout)
+    r = synced[layout]
     assert r["before"] < 1e-4 and r["versions_before"] == ["0"], r
     assert r["stale"] > 1e-3, "the step did not change the policy"
     s = r["routes"][route]
