@@ -6,9 +6,13 @@ import argparse
 import logging
 import sys
 
+from megatron_dapo.errors import DapoError
 from megatron_dapo.observability.run_logging import setup_run_logging
 
 log = logging.getLogger("megatron_dapo.cli")  # not __name__: "__main__" under python -m would not count as ours
+# What the commands print as one line: the package's own errors, which name what is wrong and the fix, and the
+# operating system's (a path, a permission, a full disk), which name the file. Anything else is a bug: traceback.
+EXPLAINED = (DapoError, OSError)
 VERBOSE_HELP = ("print every library's log records and warnings too (by default they go only to {log}; "
                 "the console shows this program's progress, warnings and errors)")
 
@@ -61,13 +65,16 @@ def main(argv: list[str] | None = None) -> int:
         try:
             cfg = load_config(args.config, args.overrides)
             env = launch_env()  # the trainer's world size and this rank, as run_training will see them
-            _preflight(cfg, Hardware(gpus=env.world_size), show=env.rank == 0)
+            _preflight(cfg, Hardware(gpus=env.world_size), show=env.rank == 0, files=True)
         except ConfigError as e:
             print(f"megatron-dapo train: bad config: {e}", file=sys.stderr)
             return 2
         log_file = setup_run_logging(cfg.train.output_dir, "train", verbose=args.verbose, rank=env.rank)
         log.info("full log (libraries and warnings included): %s", log_file)
-        return run_training(cfg)
+        try:
+            return run_training(cfg)
+        except EXPLAINED as e:
+            return _explain("train", e, log_file, env.rank)
     if args.command == "preflight":
         from megatron_dapo.config import ConfigError
         from megatron_dapo.run_config import load_config
@@ -84,16 +91,32 @@ def main(argv: list[str] | None = None) -> int:
 
         log_file = setup_run_logging(args.output, "demo", verbose=args.verbose, append=False)
         log.info("full log (libraries and warnings included): %s", log_file)
-        return run_demo(args.output, seed=args.seed, log_file=log_file, moe=args.moe, task=args.task)
+        try:
+            return run_demo(args.output, seed=args.seed, log_file=log_file, moe=args.moe, task=args.task)
+        except EXPLAINED as e:
+            return _explain("demo", e, log_file, 0)
     parser.error(f"unknown command {args.command!r}")
     return 2
 
 
-def _preflight(cfg, hardware, show: bool) -> None:
-    """Print the estimates and checks (when `show`); raise the first failed check as a ConfigError."""
+def _explain(command: str, error: BaseException, log_file, rank: int) -> int:
+    """An error whose message says it all, as one line on the console; its traceback in the run's log (and on the
+    console with --verbose). Returns the exit code."""
+    from megatron_dapo.observability.run_logging import FILE_ONLY
+
+    log.error("%s failed", command, exc_info=error, extra=FILE_ONLY)
+    where = f"[rank {rank}] " if rank else ""
+    print(f"{where}megatron-dapo {command}: {type(error).__name__}: {error} (traceback: {log_file})", file=sys.stderr,
+          flush=True)
+    return 1
+
+
+def _preflight(cfg, hardware, show: bool, files: bool = False) -> None:
+    """Print the estimates and checks (when `show`); raise the first failed check as a ConfigError. `files`: check
+    the run's files too (where it runs)."""
     from megatron_dapo.preflight import preflight
 
-    report = preflight(cfg, hardware)
+    report = preflight(cfg, hardware, files=files)
     if show:
         print(report.render(), flush=True)
     report.raise_first_failure()

@@ -7,12 +7,19 @@ owned by the algorithm and reward packages, with the DAPO paper's defaults.
 from __future__ import annotations
 
 import importlib.util
+import logging
+import math
+import urllib.parse
 from dataclasses import dataclass, field
 
+from megatron_dapo.errors import DapoError
 from megatron_dapo.ops.loss_settings import DapoLossParamError, check_aggregation, check_dapo_loss_params
 
 
-class ConfigError(ValueError):
+log = logging.getLogger(__name__)
+
+
+class ConfigError(DapoError, ValueError):
     """A configuration value that cannot work; the message names the key."""
 
 
@@ -29,6 +36,16 @@ def _whole(value, key: str, minimum: int) -> None:
 def _positive(value, key: str) -> None:
     _require(isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0, key,
              f"must be a number > 0, got {value!r}")
+
+
+def _finite(value, key: str, low: float, high: float = math.inf, *, low_open: bool = False,
+            high_open: bool = True) -> None:
+    """A finite number in [low, high] (an open end excludes it): inf and NaN name the key too, rather than train
+    to NaN weights."""
+    number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    inside = number and (value > low if low_open else value >= low) and (value < high if high_open else value <= high)
+    span = f"{'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+    _require(inside, key, f"must be a finite number in {span}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -86,6 +103,10 @@ class ParallelConfig:
         return data
 
 
+MAX_LR = 1.0  # optim.lr's bound, exclusive
+HIGH_LR = 1e-3  # above it optim.lr is warned of: tiny demo models train at 2e-4, RL fine-tuning of LLMs at ~1e-6
+
+
 @dataclass(frozen=True)
 class OptimConfig:
     lr: float = 1e-6
@@ -99,11 +120,21 @@ class OptimConfig:
     distributed_optimizer: bool = True
 
     def __post_init__(self):
-        _require(self.lr > 0, "optim.lr", f"must be > 0, got {self.lr}")
-        _require(self.warmup_steps >= 0, "optim.warmup_steps", f"must be >= 0, got {self.warmup_steps}")
-        _require(self.clip_grad >= 0, "optim.clip_grad", f"must be >= 0 (0 turns clipping off), got {self.clip_grad}")
-        _require(0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1, "optim.adam_beta1/adam_beta2",
-                 f"must be in [0, 1), got {self.adam_beta1}, {self.adam_beta2}")
+        # Adam at lr >= 1 only destroys weights: such a value is a typo (1e6 for 1e-6), refused with the guess.
+        if isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr >= MAX_LR:
+            guess = f"; did you mean {1 / self.lr:g}?" if self.lr > 1 else ""
+            raise ConfigError(f"optim.lr: {self.lr:g} is no learning rate for Adam (RL fine-tuning uses 1e-7 to "
+                              f"1e-5){guess}")
+        _finite(self.lr, "optim.lr", 0, MAX_LR, low_open=True)
+        if self.lr > HIGH_LR:
+            log.warning("optim.lr = %g is far above what RL fine-tuning uses (1e-7 to 1e-5; DAPO's 1e-6): a large "
+                        "model's first updates may wreck it", self.lr)
+        _whole(self.warmup_steps, "optim.warmup_steps", 0)
+        _finite(self.clip_grad, "optim.clip_grad", 0)  # 0 turns clipping off
+        _finite(self.weight_decay, "optim.weight_decay", 0)
+        _finite(self.adam_beta1, "optim.adam_beta1", 0, 1)
+        _finite(self.adam_beta2, "optim.adam_beta2", 0, 1)
+        _finite(self.adam_eps, "optim.adam_eps", 0, 1, low_open=True)
 
     def lr_at(self, update: int, updates_per_step: int = 1) -> float:
         """Linear warmup over warmup_steps rollout steps of `updates_per_step` optimizer updates each, then
@@ -358,6 +389,23 @@ class RolloutConfig:
         _require(not self.server_nodes or len(self.server_nodes) == len(self.server_urls), "rollout.server_nodes",
                  f"names {len(self.server_nodes)} node(s) for {len(self.server_urls)} rollout.server_urls; give "
                  f"one node per URL, in the same order")
+        for i, url in enumerate(self.server_urls):
+            _check_server_url(url, f"rollout.server_urls[{i}]")
+
+
+def _check_server_url(url: str, key: str) -> None:
+    """A server's base URL as the servers are called: http(s)://HOST:PORT, nothing after it (the calls add their
+    paths). Whether it answers is checked before the policy is built (rollout/server_check.py)."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        port = parts.port
+    except ValueError as e:  # a port that is no number, or out of range
+        raise ConfigError(f"{key}: {url!r} is not a URL ({e}); write it as http://HOST:PORT") from None
+    _require(parts.scheme in ("http", "https") and bool(parts.hostname) and port is not None, key,
+             f"{url!r} is not a server's URL; write it as http://HOST:PORT (a scheme, a host and a port)")
+    _require(parts.path in ("", "/") and not parts.query and not parts.fragment, key,
+             f"{url!r} has a path ({parts.path}{'?' + parts.query if parts.query else ''}); give the server's base "
+             f"URL, http://{parts.netloc}")
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ from megatron_dapo.config import (
     TrainConfig,
 )
 from megatron_dapo.reward.config import RewardConfig
+from megatron_dapo.user_files import read_yaml
 
 
 def _require(ok: bool, key: str, message: str) -> None:
@@ -159,8 +160,4 @@ def load_config(path, overrides: typing.Sequence[str] = ()) -> DapoConfig:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"{path}: no such config file")
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML: {e}") from None
-    return config_from_dict(data, overrides)
+    return config_from_dict(read_yaml(path, error=ConfigError), overrides)

@@ -25,7 +25,7 @@ from megatron_dapo.checkpoint.trainer_checkpoint import save_trainer_checkpoint
 from megatron_dapo.loop.build import build_parts
 from megatron_dapo.loop.step_metrics import StepTimer, train_metrics
 from megatron_dapo.loop.step_watch import BadStepWatch, UpdateCutter
-from megatron_dapo.parallel.runtime import driver_value, shutdown_runtime
+from megatron_dapo.parallel.runtime import driver_value
 from megatron_dapo.policy.rollout_samples import training_samples
 from megatron_dapo.run_config import DapoConfig
 
@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 class DapoTrainer:
     def __init__(self, cfg: DapoConfig):
         self.cfg = cfg
-        parts = build_parts(cfg)
+        self.parts = parts = build_parts(cfg)  # raises with every part built before the error stopped
         self.runtime, self.heartbeat, self.policy = parts.runtime, parts.heartbeat, parts.policy
         self.feed, self.publisher, self.schedule = parts.feed, parts.publisher, parts.schedule
         self.metrics, self.progress, self.checkpoint_root = parts.metrics, parts.progress, parts.checkpoint_root
@@ -123,36 +123,34 @@ class DapoTrainer:
 
         cfg = self.cfg.train
         metrics: dict[str, float] = {}
-        bar = tqdm(total=cfg.steps, initial=self.step_index, desc="dapo", disable=not self.driver)
-        while self.step_index < cfg.steps:
-            metrics = self.step()
-            if self.cfg.eval.every and self.step_index % self.cfg.eval.every == 0:
-                metrics.update(self.evaluate())
-            if self.driver:
-                self.empty_steps.observe(self.step_index, metrics)
-                self.metrics.log(self.step_index, metrics)
-                bar.set_postfix(acc=f"{metrics.get('accuracy', math.nan):.2f}",
-                                kept=f"{metrics.get('groups_kept', 0):.0f}")
-                bar.update(1)
-            done = self.step_index == cfg.steps
-            if done or (cfg.checkpoint_every and self.step_index % cfg.checkpoint_every == 0):
-                self.save_checkpoint()
-        bar.close()
+        # closed on an error too: its last line ends, and the error is said on a line of its own
+        with tqdm(total=cfg.steps, initial=self.step_index, desc="dapo", disable=not self.driver) as bar:
+            while self.step_index < cfg.steps:
+                metrics = self.step()
+                if self.cfg.eval.every and self.step_index % self.cfg.eval.every == 0:
+                    metrics.update(self.evaluate())
+                if self.driver:
+                    self.empty_steps.observe(self.step_index, metrics)
+                    self.metrics.log(self.step_index, metrics)
+                    bar.set_postfix(acc=f"{metrics.get('accuracy', math.nan):.2f}",
+                                    kept=f"{metrics.get('groups_kept', 0):.0f}")
+                    bar.update(1)
+                done = self.step_index == cfg.steps
+                if done or (cfg.checkpoint_every and self.step_index % cfg.checkpoint_every == 0):
+                    self.save_checkpoint()
         return metrics
 
-    def close(self) -> None:
-        self.heartbeat.close()
-        self.publisher.close()
-        self.feed.close()
-        if self.driver:
-            self.metrics.close()
-        shutdown_runtime()
+    def close(self, error: BaseException | None = None) -> None:
+        """Stop the run's parts; `error`: what ended it (the other ranks are told, and end too)."""
+        self.parts.close(error)
 
 
 def run_training(cfg: DapoConfig) -> int:
     trainer = DapoTrainer(cfg)
     try:
         trainer.train()
-    finally:
-        trainer.close()
+    except BaseException as error:
+        trainer.close(error)
+        raise
+    trainer.close()
     return 0

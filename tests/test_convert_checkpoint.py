@@ -2,6 +2,7 @@
 at TP=2 x EP=2 x PP=2), for real: the files equal megatron-core's own save, megatron-core loads them at other
 layouts, and conversion streams."""
 
+import dataclasses
 import json
 import shutil
 import subprocess
@@ -334,6 +335,61 @@ def test_config_that_is_not_the_checkpoints_model(source, source_mcore, tmp_path
     assert _nothing_written(tmp_path / "out")
 
 
+# Issue 49: another model of the same shapes; the config.json written was its, with exit 0.
+SAME_SHAPES_OTHER_VALUES = {"rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"}, "rms_norm_eps": 1e-3,
+                            "max_position_embeddings": 4096}
+SAID_DIFFERENT = ["rope_theta=10000.0 (--hf-config: 500000.0)", "rms_norm_eps=1e-05 (--hf-config: 0.001)",
+                  "max_position_embeddings=96 (--hf-config: 4096)"]
+
+
+def test_a_config_of_the_same_shapes_with_other_values_is_refused_naming_them(source, source_mcore, tmp_path):
+    """--hf-config is checked against the checkpoint's own record: its hf/config.json, or, for a trainer checkpoint's
+    model/, the model in trainer_state.json beside it; --allow-config-mismatch writes it anyway."""
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({**source[1], **SAME_SHAPES_OTHER_VALUES}))
+    out = tmp_path / "out"
+    with pytest.raises(CheckpointError) as refused:
+        mcore_to_hf(source_mcore, out, hf_config=other)
+    said = str(refused.value)
+    assert said.startswith(f"--hf-config {other}: not the model the checkpoint was saved from "
+                           f"({source_mcore / 'hf' / 'config.json'}): "), said
+    assert all(difference in said for difference in SAID_DIFFERENT), said
+    assert "--allow-config-mismatch" in said and _nothing_written(out)
+
+    # A trainer checkpoint's model folder: no hf/ inside, the record is trainer_state.json beside it.
+    step = tmp_path / "checkpoints" / "step_000002"
+    shutil.copytree(source_mcore, step / "model", ignore=shutil.ignore_patterns("hf"))
+    from megatron_dapo.policy.hf_config import model_spec_from_hf
+
+    spec = dataclasses.asdict(model_spec_from_hf(source[1]))
+    (step / "trainer_state.json").write_text(json.dumps({"format": 1, "step": 2, "model": spec}))
+    with pytest.raises(CheckpointError, match=f"saved from \\({step / 'trainer_state.json'}\\): .*rope_theta="):
+        mcore_to_hf(step / "model", out, hf_config=other)
+    assert _nothing_written(out)
+    mcore_to_hf(step / "model", out, hf_config=source[0])  # the right model passes
+
+    forced = tmp_path / "forced"
+    mcore_to_hf(source_mcore, forced, hf_config=other, allow_config_mismatch=True)
+    assert json.loads((forced / "config.json").read_text())["rope_parameters"]["rope_theta"] == 500000.0
+
+
+def test_weights_that_are_not_finite_are_not_exported(source_mcore, tmp_path, monkeypatch):
+    """A NaN anywhere in the weights: no Hugging Face folder (it would load and sample garbage), no leftover."""
+    from megatron_dapo.checkpoint import convert
+
+    hf_tensors = convert.hf_tensors
+
+    def poisoned(mname, shards, spec):
+        tensors = hf_tensors(mname, shards, spec)
+        return {k: t.clone().fill_(float("nan")) if "layers.1.mlp" in k else t for k, t in tensors.items()}
+
+    monkeypatch.setattr(convert, "hf_tensors", poisoned)
+    with pytest.raises(CheckpointError, match=r"not written: tensor 'model.layers.1.mlp.\w+.weight' holds NaN"):
+        mcore_to_hf(source_mcore, tmp_path / "out")
+    assert _nothing_written(tmp_path / "out")
+
+
 def test_not_a_distributed_checkpoint(source, tmp_path):
     with pytest.raises(CheckpointError, match="not a megatron-dapo distributed checkpoint"):
         mcore_to_hf(source[0], tmp_path / "out")
@@ -429,12 +485,17 @@ def _bad_inputs(source, source_mcore, tmp_path):
     """(arguments, what the one error line says) for each mistake a user can make."""
     not_hf = tmp_path / "not_hf"
     not_hf.mkdir()
+    other_values = tmp_path / "other_values"
+    other_values.mkdir()
+    (other_values / "config.json").write_text(json.dumps({**source[1], **SAME_SHAPES_OTHER_VALUES}))
     return [
         (["hf-to-mcore", "--input", str(tmp_path / "missing")], f"--input {tmp_path / 'missing'} does not exist"),
         (["mcore-to-hf", "--input", str(source_mcore), "--hf-config", str(tmp_path / "missing")],
          f"--hf-config {tmp_path / 'missing'} does not exist"),
         (["mcore-to-hf", "--input", str(source[0])], "not a megatron-dapo distributed checkpoint"),
         (["mcore-to-hf", "--input", str(source_mcore), "--hf-config", str(not_hf)], "no config.json"),
+        (["mcore-to-hf", "--input", str(source_mcore), "--hf-config", str(other_values)],
+         "not the model the checkpoint was saved from"),
         (["hf-to-mcore", "--input", str(not_hf)], "no config.json"),
         (["hf-to-mcore", "--input", str(source[0]), "--tp", "8"], "num_attention_heads"),
         (["hf-to-mcore", "--input", str(source[0]), "--ep", "2"], "is a dense model"),

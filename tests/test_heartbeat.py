@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_dapo.parallel.rank_heartbeat import STUCK_EXIT_CODE
+from megatron_dapo.parallel.rank_heartbeat import PEER_FAILED_EXIT_CODE, STUCK_EXIT_CODE
 from megatron_dapo.parallel.runtime import free_port
 
 WORKER = Path(__file__).parent / "distributed" / "heartbeat_worker.py"
@@ -50,6 +50,24 @@ def test_a_stopped_rank_is_named_and_the_job_ends_within_the_heartbeat_timeout(s
         assert "parallel.heartbeat_timeout_s = 2" in out
         print(f"rank {stopped} stopped: named after {took:.1f} s (from the start of both ranks)")
         assert procs[stopped].poll() is None  # still stopped: the launcher (torchrun, srun) kills it
+    finally:
+        end(procs)
+
+
+def test_a_rank_that_fails_says_why_and_the_other_ends_at_its_next_beat_naming_it():
+    """Issue 49: a rank that fails while the others wait for it in a collective (rank 0 reading a prompt file that is
+    not there, the others already in the policy's build) tells them through its heartbeat; each ends at once with
+    the failed rank's error, rather than wait out the collective's 30 minutes. The failed rank is left alive here,
+    as a process whose exit hangs would be."""
+    procs = start("fail", "0")
+    try:
+        begin = time.monotonic()
+        assert procs[1].wait(timeout=60) == PEER_FAILED_EXIT_CODE
+        took = time.monotonic() - begin
+        out = procs[1].stdout.read()
+        assert (f"rank 1: rank 0 (node node-a, pid {procs[0].pid}) failed: FileNotFoundError: train.jsonl: no such "
+                "file. Ending this rank too (exit code 1)") in out, out
+        print(f"rank 0 failed: rank 1 ended after {took:.1f} s (from the start of both ranks)")
     finally:
         end(procs)
 

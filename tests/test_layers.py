@@ -11,7 +11,7 @@ from pathlib import Path
 ROOT = Path(__file__).parents[1]
 PACKAGE = ROOT / "megatron_dapo"
 LAYERS = {
-    1: ("config", "run_config", "samples", "ops", "data", "observability", "_C"),
+    1: ("config", "run_config", "errors", "user_files", "samples", "ops", "data", "observability", "_C"),
     2: ("policy", "reward", "parallel"),
     3: ("checkpoint", "algorithm"),
     4: ("rollout", "weight_sync"),

@@ -46,6 +46,15 @@ def test_overrides_are_read_as_yaml():
     ("loss.old_logprobs=engine", "loss.old_logprobs: must be one of 'recompute', 'rollout'"),
     ("optim.lr=0", "optim.lr"),
     ("optim.lr=fast", "optim.lr: must be float"),
+    # Issue 49: these trained to NaN weights (or would have) and exited 0.
+    ("optim.lr=.inf", "optim.lr: must be a finite number in \\(0, 1\\), got inf"),
+    ("optim.lr=.nan", "optim.lr: must be a finite number"),
+    ("optim.lr=1e6", "optim.lr: 1e\\+06 is no learning rate for Adam .*; did you mean 1e-06?"),
+    ("optim.adam_eps=-1", "optim.adam_eps: must be a finite number in \\(0, 1\\), got -1"),
+    ("optim.adam_eps=0", "optim.adam_eps"),
+    ("optim.weight_decay=-5", "optim.weight_decay: must be a finite number in [0, inf\\), got -5"),
+    ("optim.clip_grad=.inf", "optim.clip_grad: must be a finite number"),
+    ("optim.adam_beta2=1", "optim.adam_beta2: must be a finite number in [0, 1\\)"),
     ("optim.warmup_steps=-1", "optim.warmup_steps"),
     ("algorithm.group_size=1", "algorithm.group_size"),
     ("algorithm.batch_size=0", "algorithm.batch_size"),
@@ -59,6 +68,12 @@ def test_overrides_are_read_as_yaml():
     ("rollout.max_staleness=0", "rollout.max_staleness: must be a whole number >= 1"),
     ("loss.tis_mode=clip", "loss.tis_mode: must be one of 'truncate', 'mask'"),
     ("rollout.server_urls=http://a", "rollout.server_urls: must be a list"),
+    # Issue 49: malformed URLs were found only after the policy was built, as a JSONDecodeError or KeyError.
+    ("rollout.server_urls=[localhost:30000]", "rollout.server_urls[0]: 'localhost:30000' is not a server's URL"),
+    ("rollout.server_urls=[http://a:1, http://b]", "rollout.server_urls[1]: 'http://b' is not a server's URL"),
+    ("rollout.server_urls=[http://a:port]", "rollout.server_urls[0]: 'http://a:port' is not a URL"),
+    ("rollout.server_urls=[http://a:1/generate]", "rollout.server_urls[0]: .* has a path \\(/generate\\); give the "
+                                                  "server's base URL, http://a:1"),
     ("reward.timeout_s=0", "reward.timeout_s"),
     ("reward.num_workers=0", "reward.num_workers"),
     ("reward.max_answers_per_message=0", "reward.max_answers_per_message"),

@@ -17,8 +17,9 @@ place only when complete.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
-import json
+import logging
 import os
 import shutil
 import sys
@@ -29,7 +30,6 @@ import torch
 from megatron_dapo.checkpoint.hf_mapping import (
     HF_EMBEDDING,
     HF_FINAL_NORM,
-    MappingError,
     hf_names,
     hf_tensors,
     megatron_names,
@@ -43,10 +43,14 @@ from megatron_dapo.checkpoint.safetensors_io import (
     holds_checkpoint,
     write_hf_checkpoint,
 )
-from megatron_dapo.checkpoint.trainer_checkpoint import complete_checkpoints
-from megatron_dapo.config import ConfigError, ParallelConfig
-from megatron_dapo.policy.hf_config import ModelSpec, model_spec_from_hf
+from megatron_dapo.checkpoint.trainer_checkpoint import MODEL_DIR, STATE_FILE, complete_checkpoints
+from megatron_dapo.config import ParallelConfig
+from megatron_dapo.errors import DapoError
+from megatron_dapo.policy.hf_config import ModelSpec, model_spec_from_hf, spec_differences
 from megatron_dapo.policy.model import check_divisibility, padded_vocab_size
+from megatron_dapo.user_files import json_field, read_json
+
+log = logging.getLogger(__name__)
 
 
 def _check_output(out: Path) -> None:
@@ -116,18 +120,51 @@ def _hf_tensors(reader: McoreCheckpointReader, spec: ModelSpec, dtype: torch.dty
             bar.update(len(hf_names(mname, spec)))
 
 
-def mcore_to_hf(input_dir, output_dir, *, hf_config=None, max_shard_bytes: int = 5 * 2**30) -> Path:
-    """megatron-core distributed checkpoint -> Hugging Face folder (safetensors shards, index, config)."""
+def _recorded_spec(input_dir: Path) -> tuple[dict, Path] | None:
+    """The model the checkpoint records it was saved from, and where: a converted checkpoint's own hf/config.json,
+    or a trainer checkpoint's trainer_state.json beside its model/ folder; None when it has neither."""
+    own = input_dir / HF_SUBDIR / "config.json"
+    if own.is_file():
+        return dataclasses.asdict(model_spec_from_hf(own)), own
+    state = input_dir.parent / STATE_FILE
+    if input_dir.name == MODEL_DIR and state.is_file():
+        return json_field(read_json(state, error=CheckpointError), "model", dict, state, CheckpointError), state
+    return None
+
+
+def _check_config_matches(input_dir: Path, spec: ModelSpec, hf_dir: Path) -> None:
+    """--hf-config's model against the checkpoint's own record: a model of the same shapes with other values
+    (rope_theta, rms_norm_eps, max_position_embeddings) would convert without a word into a model that computes
+    something else."""
+    record = _recorded_spec(input_dir)
+    if record is None:
+        log.warning("%s: no record of the model it was saved from (hf/config.json, trainer_state.json): --hf-config "
+                    "%s taken as it is", input_dir, hf_dir)
+        return
+    diffs = spec_differences(record[0], spec, "--hf-config")
+    if diffs:
+        raise CheckpointError(f"--hf-config {hf_dir}: not the model the checkpoint was saved from ({record[1]}): "
+                              f"{', '.join(diffs)}; leave --hf-config out to use the checkpoint's own, or pass "
+                              "--allow-config-mismatch to write this config.json anyway")
+
+
+def mcore_to_hf(input_dir, output_dir, *, hf_config=None, allow_config_mismatch: bool = False,
+                max_shard_bytes: int = 5 * 2**30) -> Path:
+    """megatron-core distributed checkpoint -> Hugging Face folder (safetensors shards, index, config). A
+    `hf_config` folder whose model differs from the checkpoint's own record is refused, unless
+    `allow_config_mismatch`."""
     out = Path(output_dir)
     _check_output(out)
     meta = read_meta(input_dir)
     hf_dir = Path(hf_config) if hf_config else Path(input_dir) / HF_SUBDIR
     if not (hf_dir / "config.json").is_file():
         raise CheckpointError(f"{hf_dir}: no config.json; pass --hf-config with the model's Hugging Face folder")
-    config = json.loads((hf_dir / "config.json").read_text())
+    config = read_json(hf_dir / "config.json", error=CheckpointError)
     spec = model_spec_from_hf(config)
     reader = McoreCheckpointReader(input_dir, spec)
     reader.validate()
+    if hf_config and not allow_config_mismatch:
+        _check_config_matches(Path(input_dir), spec, hf_dir)
     bar = _progress(sum(len(hf_names(m, spec)) for m in megatron_names(spec)), "mcore -> hf")
     write_hf_checkpoint(out, _hf_tensors(reader, spec, meta["dtype"], bar), config=config, side_files_from=hf_dir,
                         max_shard_bytes=max_shard_bytes)
@@ -169,7 +206,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    "checkpoint's model folder, e.g. OUT/checkpoints/step_000040/model")
     b.add_argument("--output", required=True, help="new Hugging Face folder")
     b.add_argument("--hf-config", help="Hugging Face folder to take config.json and tokenizer files from "
-                   "(default: the copy kept inside the checkpoint)")
+                   "(default: the copy kept inside the checkpoint); refused if its model differs from the one the "
+                   "checkpoint records")
+    b.add_argument("--allow-config-mismatch", action="store_true", help="write --hf-config's config.json even where "
+                   "its values differ from the checkpoint's own record")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -183,8 +223,9 @@ def run(args: argparse.Namespace) -> int:
             _check_exists("--input", args.input, trainer_checkpoint=True)
             if args.hf_config:
                 _check_exists("--hf-config", args.hf_config)
-            out = mcore_to_hf(args.input, args.output, hf_config=args.hf_config)
-    except (CheckpointError, MappingError, ConfigError) as e:
+            out = mcore_to_hf(args.input, args.output, hf_config=args.hf_config,
+                              allow_config_mismatch=args.allow_config_mismatch)
+    except DapoError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"wrote {out}")

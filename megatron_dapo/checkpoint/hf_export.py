@@ -26,8 +26,9 @@ from megatron_dapo.checkpoint.hf_mapping import (
     uses_te_names,
 )
 from megatron_dapo.checkpoint.hf_weights import expert_offset, layer_offset
-from megatron_dapo.checkpoint.safetensors_io import write_hf_checkpoint
+from megatron_dapo.checkpoint.safetensors_io import CheckpointError, write_hf_checkpoint
 from megatron_dapo.config import ParallelConfig
+from megatron_dapo.policy.finite_weights import nonfinite_on_any_rank
 from megatron_dapo.policy.hf_config import ModelSpec
 
 _LAYER_PREFIX = "decoder.layers."
@@ -117,7 +118,11 @@ def _senders(mine: set) -> dict[tuple[int, int | None], int]:
 
 def export_hf_checkpoint(model, spec: ModelSpec, parallel: ParallelConfig, out_dir, *, hf_config: dict,
                          side_files_from=None, max_shard_bytes: int = 5 * 2**30):
-    """Write the model as a Hugging Face checkpoint from global rank 0; collective over all ranks."""
+    """Write the model as a Hugging Face checkpoint from global rank 0; collective over all ranks. Weights that are
+    not finite are refused on every rank before anything is gathered."""
+    broken = nonfinite_on_any_rank(model, next(model.parameters()).device)
+    if broken is not None:
+        raise CheckpointError(f"{out_dir}: not written: the weights are not finite (NaN or inf) in {broken}")
     tensors = iter_hf_tensors(model, spec, parallel)
     if dist.get_rank() == 0:
         write_hf_checkpoint(out_dir, tensors, config=hf_config, side_files_from=side_files_from,

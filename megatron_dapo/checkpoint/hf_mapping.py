@@ -26,6 +26,7 @@ from collections.abc import Callable
 
 import torch
 
+from megatron_dapo.errors import DapoError
 from megatron_dapo.policy.hf_config import ModelSpec
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
@@ -64,7 +65,7 @@ _LAYER_TP_DIM = {
 }
 
 
-class MappingError(KeyError):
+class MappingError(DapoError, KeyError):
     """A tensor name with no counterpart, or a shape that disagrees with the model's config."""
 
     def __str__(self) -> str:

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from megatron_dapo.checkpoint.safetensors_io import CheckpointError
+from megatron_dapo.user_files import read_json
 
 META = "megatron_dapo.json"
 HF_SUBDIR = "hf"
@@ -92,6 +93,9 @@ def read_meta(directory) -> dict:
     path = Path(directory) / META
     if not path.is_file():
         raise CheckpointError(f"{directory}: not a megatron-dapo distributed checkpoint (no {META})")
-    meta = json.loads(path.read_text())
-    meta["dtype"] = getattr(torch, meta["dtype"])
+    meta = read_json(path, error=CheckpointError)
+    dtype = getattr(torch, str(meta.get("dtype")), None)
+    if not isinstance(dtype, torch.dtype):
+        raise CheckpointError(f"{path}: 'dtype' {meta.get('dtype')!r} is no torch dtype")
+    meta["dtype"] = dtype
     return meta

@@ -31,7 +31,9 @@ from megatron_dapo.checkpoint.hf_mapping import (
     expected_hf_names,
     hf_shape,
 )
+from megatron_dapo.errors import DapoError
 from megatron_dapo.policy.hf_config import ModelSpec
+from megatron_dapo.user_files import json_field, read_json
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +50,7 @@ _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF
            "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 
 
-class CheckpointError(ValueError):
+class CheckpointError(DapoError, ValueError):
     """A checkpoint that cannot be read or written as asked; the message names the file or tensor."""
 
 
@@ -85,9 +87,10 @@ class HFCheckpoint:
         config = self.path / "config.json"
         if not config.is_file():
             raise CheckpointError(f"{self.path}: no config.json")
-        self.config = json.loads(config.read_text())
+        self.config = read_json(config, error=CheckpointError)
         if (self.path / INDEX).is_file():
-            weight_map = json.loads((self.path / INDEX).read_text())["weight_map"]
+            index = read_json(self.path / INDEX, error=CheckpointError)
+            weight_map = json_field(index, "weight_map", dict, self.path / INDEX, CheckpointError)
             files = sorted(set(weight_map.values()))
         elif (self.path / SINGLE).is_file():
             weight_map, files = None, [SINGLE]
@@ -158,7 +161,9 @@ def holds_checkpoint(path: Path) -> bool:
 
 def write_hf_checkpoint(out_dir, tensors: Iterable[tuple[str, torch.Tensor]], *, config: dict,
                         side_files_from=None, max_shard_bytes: int = 5 * 2**30) -> Path:
-    """Write `tensors` (name, tensor), in order, as safetensors shards + index + config.json, atomically."""
+    """Write `tensors` (name, tensor), in order, as safetensors shards + index + config.json, atomically. A tensor
+    holding a NaN or an inf is refused by name, and nothing is left behind: a Hugging Face folder of broken weights
+    would load and sample garbage without a word."""
     out = Path(out_dir)
     if holds_checkpoint(out):
         raise CheckpointError(f"{out}: already holds a checkpoint; choose a new output folder or remove it")
@@ -182,6 +187,9 @@ def write_hf_checkpoint(out_dir, tensors: Iterable[tuple[str, torch.Tensor]], *,
         for name, tensor in tensors:
             if name in weight_map or name in shard:
                 raise CheckpointError(f"tensor {name!r} written twice")
+            if tensor.is_floating_point() and not torch.isfinite(tensor.sum(dtype=torch.float32)):
+                raise CheckpointError(f"{out}: not written: tensor {name!r} holds NaN or inf values; export a "
+                                      "checkpoint from before the weights went non-finite")
             nbytes = tensor.numel() * tensor.element_size()
             if shard and shard_bytes + nbytes > max_shard_bytes:
                 flush()

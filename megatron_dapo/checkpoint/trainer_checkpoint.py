@@ -37,6 +37,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 from megatron_dapo.checkpoint.mcore_checkpoint import load_model, save_model, write_meta
 from megatron_dapo.checkpoint.safetensors_io import CheckpointError
 from megatron_dapo.config import ConfigError
+from megatron_dapo.policy.finite_weights import nonfinite_on_any_rank
+from megatron_dapo.policy.hf_config import spec_differences
+from megatron_dapo.user_files import read_json
 
 log = logging.getLogger(__name__)
 
@@ -304,6 +307,10 @@ def save_trainer_checkpoint(root, step: int, trainer, extra: dict, keep_last: in
     if (final / MARKER).is_file():  # every rank sees the shared folder: each raises
         raise CheckpointError(f"{final}: a complete checkpoint of step {step} already exists; resume from it "
                               "or save into another folder")
+    broken = nonfinite_on_any_rank(trainer.module, trainer.device)
+    if broken is not None:  # a checkpoint of NaN weights would be resumed from, or exported, without a word
+        raise CheckpointWriteError(f"{final}: not written: the weights are not finite (NaN or inf) in {broken}; "
+                                   f"the latest complete checkpoint is still {latest_checkpoint(root)}")
     rank0 = dist.get_rank() == 0
     _agree(root, tmp, step, _attempt(_prepare, root, tmp) if rank0 else None)
     _agree(root, tmp, step, _attempt(_write_rank_files, tmp, trainer.parallel.device == "cuda", driver_state))
@@ -330,19 +337,15 @@ def read_trainer_state(path) -> dict:
     if not (path / MARKER).is_file():
         raise CheckpointError(f"{path}: not a complete trainer checkpoint (no {MARKER} marker); use "
                               "latest_checkpoint(root) to find the newest complete one")
-    state = json.loads((path / STATE_FILE).read_text())
+    state = read_json(path / STATE_FILE, error=CheckpointError)
     if state.get("format") != FORMAT:
         raise CheckpointError(f"{path}: checkpoint format {state.get('format')!r}, this code reads {FORMAT}")
     return state
 
 
 def check_model_shape(state: dict, spec, path) -> None:
-    """Refuse a checkpoint of another model, naming every field that differs. Compared as trainer_state.json holds
-    them (tuples as lists); a field the checkpoint predates has its default (a dense model's no experts)."""
-    mine = json.loads(json.dumps(dataclasses.asdict(spec)))
-    defaults = {f.name: f.default for f in dataclasses.fields(spec) if f.default is not dataclasses.MISSING}
-    saved = json.loads(json.dumps({**defaults, **state["model"]}))
-    diffs = [f"{k}={saved.get(k)!r} (this model: {v!r})" for k, v in mine.items() if saved.get(k) != v]
+    """Refuse a checkpoint of another model, naming every field that differs."""
+    diffs = spec_differences(state["model"], spec, "this model")
     if diffs:
         raise CheckpointError(f"{path}: checkpoint of a different model shape: {', '.join(diffs)}; resume with the "
                               "model the run was started with, or start a new run in another folder")

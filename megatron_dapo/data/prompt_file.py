@@ -15,13 +15,15 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from megatron_dapo.errors import DapoError
+
 log = logging.getLogger(__name__)
 
 FORMATS = (".parquet", ".jsonl")
 _SHOWN_SKIPS = 5  # skipped rows named in the warning
 
 
-class DataError(ValueError):
+class DataError(DapoError, ValueError):
     """Prompt data that cannot be used as given; the message names the file, row or argument."""
 
 

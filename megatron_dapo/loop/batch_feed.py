@@ -103,7 +103,3 @@ class BatchFeed:
             results.append(self.service.take())
         self.signal.post(word)
         return results
-
-    def close(self) -> None:
-        if self.service is not None:
-            self.service.close()

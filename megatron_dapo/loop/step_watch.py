@@ -6,6 +6,7 @@ import itertools
 import logging
 
 from megatron_dapo.parallel.rank_shares import PackedShare
+from megatron_dapo.policy.finite_weights import NonFiniteTraining
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +51,7 @@ class BadStepWatch:
                         "nothing was applied, the servers keep their weights" if len(skipped) == len(results)
                         else "the other updates were applied", batch_prompts)
         if self.bad_steps >= self.max_bad_steps:
-            raise RuntimeError(f"{self.bad_steps} steps in a row had updates with a non-finite loss or gradient "
+            raise NonFiniteTraining(f"{self.bad_steps} steps in a row had updates with a non-finite loss or gradient "
                                f"(train.max_bad_steps = {self.max_bad_steps}); the last good weights are the "
                                "servers' and the latest checkpoint's. Look at the batches logged above, lower "
                                "optim.lr, or raise train.max_bad_steps")

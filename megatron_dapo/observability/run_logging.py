@@ -19,6 +19,9 @@ from pathlib import Path
 OURS = "megatron_dapo"
 FILE_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 _HANDLER_MARK = "_megatron_dapo_run_logging"
+# `extra=` of a record for the log file alone (a traceback whose one-line summary the console gets otherwise),
+# unless the run is verbose.
+FILE_ONLY = {"file_only": True}
 
 
 def log_file_path(directory, command: str, rank: int = 0) -> Path:
@@ -31,13 +34,15 @@ def _is_ours(record: logging.LogRecord) -> bool:
 
 
 class _ConsoleFilter(logging.Filter):
-    """Ours from `ours_level` on, anything else from `others_level` on."""
+    """Ours from `ours_level` on, anything else from `others_level` on; FILE_ONLY records only when `verbose`."""
 
-    def __init__(self, ours_level: int, others_level: int):
+    def __init__(self, ours_level: int, others_level: int, verbose: bool):
         super().__init__()
-        self.ours_level, self.others_level = ours_level, others_level
+        self.ours_level, self.others_level, self.verbose = ours_level, others_level, verbose
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if getattr(record, "file_only", False) and not self.verbose:
+            return False
         return record.levelno >= (self.ours_level if _is_ours(record) else self.others_level)
 
 
@@ -100,11 +105,9 @@ def setup_run_logging(directory, command: str, *, verbose: bool = False, rank: i
     console = logging.StreamHandler(sys.stderr if stream is None else stream)
     console.setFormatter(_ConsoleFormatter(rank))
     if rank != 0:
-        console.addFilter(_ConsoleFilter(logging.WARNING, logging.WARNING if verbose else logging.ERROR))
-    elif verbose:
-        console.addFilter(_ConsoleFilter(logging.INFO, logging.INFO))
+        console.addFilter(_ConsoleFilter(logging.WARNING, logging.WARNING if verbose else logging.ERROR, verbose))
     else:
-        console.addFilter(_ConsoleFilter(logging.INFO, logging.ERROR))
+        console.addFilter(_ConsoleFilter(logging.INFO, logging.INFO if verbose else logging.ERROR, verbose))
     for handler in (file_handler, console):
         setattr(handler, _HANDLER_MARK, True)
         root.addHandler(handler)

@@ -9,8 +9,9 @@ thread is doing. Each rank reads the others' beats; one whose beat has not moved
 parallel.heartbeat_timeout_s is stuck, and the rank that sees it logs it (rank, node, pid, what it was doing)
 and exits with STUCK_EXIT_CODE, which makes the launcher (torchrun, srun) stop every other rank; the driver's
 rollout service then stops its servers. A store that does not answer for that long is stuck itself (it lives in
-rank 0, or in torchrun's agent), and is named the same way. A rank that ends (done or failed) says so first,
-so that the others do not take it for stuck.
+rank 0, or in torchrun's agent), and is named the same way. A rank that ends says so, so that the others do not
+take it for stuck; a rank that fails (a bad input found while setting up, an error in a step) says why, and each
+other rank ends at its next beat naming it and its error, rather than wait in a collective for a rank that is gone.
 
 A rank blocked in I/O (a checkpoint write on a filesystem that stalls) still beats. So what the main thread
 does may carry a deadline of its own (`set_doing(..., within_s=, key=)`), which the rank's heartbeat thread
@@ -32,8 +33,10 @@ from megatron_dapo.parallel.runtime import LaunchEnv
 log = logging.getLogger(__name__)
 
 STUCK_EXIT_CODE = 75
+PEER_FAILED_EXIT_CODE = 1
 PREFIX = "megatron_dapo/heartbeat/"
 EXITED = "exited"
+FAILED = "failed: "
 
 
 class StoreStuck(RuntimeError):
@@ -115,10 +118,13 @@ class RankHeartbeat:
                 now = time.monotonic()
                 for rank, value in zip(others, self._call(self._store.multi_get, keys)):
                     value = value.decode()
+                    _, node, pid, doing = value.split("|", 3)
+                    if doing.startswith(FAILED):
+                        self._end(f"rank {rank} (node {node}, pid {pid}) {doing}", PEER_FAILED_EXIT_CODE,
+                                  "Ending this rank too ({code})")
                     if value != last.get(rank):
                         last[rank], moved[rank] = value, now
-                    elif not value.endswith(f"|{EXITED}") and now - moved[rank] > self.timeout_s:
-                        _, node, pid, doing = value.split("|", 3)
+                    elif doing != EXITED and now - moved[rank] > self.timeout_s:
                         self._end(f"rank {rank} (node {node}, pid {pid}) has not beaten for {now - moved[rank]:.0f} s "
                                   f"(parallel.heartbeat_timeout_s = {self.timeout_s:g}); it is stuck while doing: "
                                   f"{doing}")
@@ -133,22 +139,30 @@ class RankHeartbeat:
         if deadline is not None and time.monotonic() > deadline[0]:
             self._end(f"its main thread is still {doing} after {deadline[1]:g} s ({deadline[2]})")
 
-    def _end(self, reason: str) -> None:
+    def _end(self, reason: str, code: int = STUCK_EXIT_CODE,
+              what_now: str = "Ending the job ({code}); it resumes from its latest checkpoint") -> None:
         """End this rank, and so the job, from the heartbeat thread: the main thread may be blocked in a
-        collective with the stuck rank, where nothing can reach it."""
-        message = f"rank {self.rank}: {reason}. Ending the job (exit code {STUCK_EXIT_CODE}); it resumes from its " \
-                  "latest checkpoint"
-        log.error(message)
+        collective with the stuck (or failed) rank, where nothing can reach it."""
+        log.error("rank %d: %s. %s", self.rank, reason, what_now.format(code=f"exit code {code}"))
         logging.shutdown()  # flushed: os._exit skips it
-        os._exit(STUCK_EXIT_CODE)
+        os._exit(code)
 
-    def close(self) -> None:
-        """This rank is ending (done or failed): say so, so that the others do not take it for stuck."""
+    def close(self, error: BaseException | None = None) -> None:
+        """This rank is ending: say so, so that the others do not take it for stuck; with the `error` that ends it,
+        which the others then end on, naming it."""
         self._stop.set()
         self._thread.join()
         if self._store is None:
             return
+        failed = isinstance(error, Exception)  # not a signal's SystemExit: the launcher stops every rank for those
         try:
-            self._beat(EXITED)
+            self._beat(f"{FAILED}{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+                       if failed else EXITED)
         except StoreStuck:
             pass  # the store is gone already: the job is ending
+
+    def __enter__(self) -> RankHeartbeat:
+        return self
+
+    def __exit__(self, kind, error, traceback) -> None:
+        self.close(error)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_dapo.config import ConfigError
+from megatron_dapo.user_files import read_json
 
 # architecture -> (QKV bias by default, q/k RMSNorm per head)
 SUPPORTED_ARCHITECTURES = {
@@ -75,6 +77,15 @@ class ModelSpec:
         return self.num_experts > 0
 
 
+def spec_differences(saved: dict, spec: ModelSpec, label: str) -> list[str]:
+    """Where `saved` (a ModelSpec as a JSON record holds it: tuples as lists) differs from `spec`, each as
+    "field=saved (label: spec's)"; a field the record predates has its default (a dense model's no experts)."""
+    mine = json.loads(json.dumps(dataclasses.asdict(spec)))
+    defaults = {f.name: f.default for f in dataclasses.fields(spec) if f.default is not dataclasses.MISSING}
+    saved = json.loads(json.dumps({**defaults, **saved}))
+    return [f"{k}={saved.get(k)!r} ({label}: {v!r})" for k, v in mine.items() if saved.get(k) != v]
+
+
 def _rope(cfg: dict) -> tuple[float, Llama3RopeScaling | None]:
     """The rotary base and scaling as transformers 5 reads them: a non-empty rope_scaling (the name Llama 3's
     published configs use) whole in place of rope_parameters, rope_theta from that dict or else the top level."""
@@ -101,7 +112,7 @@ def model_spec_from_hf(config) -> ModelSpec:
         path = path / "config.json" if path.is_dir() else path
         if not path.is_file():
             raise ConfigError(f"model.hf_config: no config.json at {path}")
-        config = json.loads(path.read_text())
+        config = read_json(path, error=ConfigError)
     archs = config.get("architectures") or []
     if len(archs) == 1 and archs[0] in REFUSED_ARCHITECTURES:
         raise ConfigError(f"architectures: {archs[0]} is not supported: {REFUSED_ARCHITECTURES[archs[0]]}; "

@@ -25,6 +25,7 @@ from megatron_dapo.ops.dapo_loss_checks import STAT_NAMES
 from megatron_dapo.ops.host_sync import no_host_sync
 from megatron_dapo.ops.loss_aggregation import aggregation_weights
 from megatron_dapo.policy.batch import MicroBatch, Sequence, check_sequences
+from megatron_dapo.policy.finite_weights import NonFiniteTraining, nonfinite_on_any_rank
 from megatron_dapo.policy.forward import (
     is_last_stage,
     micro_batch_logprobs,
@@ -227,7 +228,21 @@ class PolicyTrainer:
         ok, grad_norm, _ = self.optimizer.step()
         if not ok:
             raise RuntimeError("optimizer step skipped: non-finite gradients")
+        self._check_weights(lr)
         return dataclasses.replace(result, grad_norm=float(grad_norm))
+
+    def _check_weights(self, lr: float) -> None:
+        """Collective: every rank stops when the update just applied left any rank's weights non-finite (finite
+        gradients at a learning rate or an epsilon that blows them up): nothing is checkpointed or sent to the
+        servers from them."""
+        where = nonfinite_on_any_rank(self.module, self.device)
+        if where is None:
+            return
+        raise NonFiniteTraining(
+            f"rollout step {(self.step_count - 1) // self.updates_per_step + 1}, update {self.step_count}: the "
+            f"optimizer's update (lr {lr:g}) made the weights non-finite (NaN or inf) in {where}; the run stops "
+            "before anything is checkpointed or sent to the servers from them (the latest checkpoint holds the last "
+            "good weights). Lower optim.lr, check optim.adam_eps, and resume")
 
     def _load_balancing_loss(self, micro_batches: int) -> float | None:
         """The step's load-balancing loss from megatron-core's tracker (which its routers fill in training), reduced

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 from megatron_dapo.config import ConfigError
 from megatron_dapo.policy.hf_config import ModelSpec
@@ -56,8 +57,10 @@ class Report:
                 raise ConfigError(f"{c.key}: {c.message}")
 
 
-def preflight(cfg: DapoConfig, hardware: Hardware = Hardware()) -> Report:
-    """Estimates and checks for `cfg`; raises ConfigError at once when an estimate cannot even be made."""
+def preflight(cfg: DapoConfig, hardware: Hardware = Hardware(), files: bool = False) -> Report:
+    """Estimates and checks for `cfg`; raises ConfigError at once when an estimate cannot even be made. `files`:
+    also check the files the run reads (`megatron-dapo train` does, where it runs; `megatron-dapo preflight` may run
+    where they are not)."""
     spec, source = model_architecture(cfg.model.path)
     layout = trainer_layout(cfg, spec, hardware.gpus)
     stages = trainer_memory(cfg, spec, layout)
@@ -90,7 +93,8 @@ def preflight(cfg: DapoConfig, hardware: Hardware = Hardware()) -> Report:
         "solo wait " + "; ".join(f"{w.cause}: {_size(w.nbytes)} at {DISK_BYTES_PER_S / GB:g} GB/s = {w.seconds:.0f} s"
                                  for w in waits),
     ])
-    checks = [*_sequence_checks(cfg, spec), *_timeout_checks(cfg, spec, server, waits)]
+    checks = [*(_file_checks(cfg) if files else []), *_sequence_checks(cfg, spec),
+              *_timeout_checks(cfg, spec, server, waits)]
     return Report(text, checks)
 
 
@@ -149,6 +153,35 @@ def _rollout_lines(cfg: DapoConfig, server: ServerEstimate | None) -> list[str]:
             f"          KV cache {_size(server.kv_needed)}, {server.concurrent} sequences fit at once: "
             f"{server.waves} wave(s) x {server.response_len} decode steps x {1e3 * server.step_s:.1f} ms "
             f"= {server.rollout_s:.0f} s"]
+
+
+# Any one of them makes a tokenizer transformers can load (fast, sentencepiece or BPE files).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+def _file_checks(cfg: DapoConfig) -> list[Check]:
+    """The prompt files and the model's tokenizer are there: a typo costs seconds here, not a setup of every rank."""
+    checks = []
+    for key in ("data.train_path", "data.eval_path"):
+        path = getattr(cfg.data, key.split(".")[1])
+        if path:
+            there = Path(path).is_file()
+            checks.append(Check(key, there, f"{path} is a file" if there else
+                                f"{path} is not a file{_near(Path(path))}; fix the path"))
+    model = Path(cfg.model.path)
+    found = [name for name in TOKENIZER_FILES if (model / name).is_file()]
+    checks.append(Check("model.path", bool(found), f"{model} has a tokenizer ({found[0]})" if found else
+                        f"{model} has no tokenizer files (one of {', '.join(TOKENIZER_FILES)}, with "
+                        "tokenizer_config.json); copy them from the model's Hugging Face folder"))
+    return checks
+
+
+def _near(path: Path) -> str:
+    """What the folder that should hold `path` holds, for a typo to be seen."""
+    if not path.parent.is_dir():
+        return f" (no folder {path.parent})"
+    names = sorted(p.name for p in path.parent.iterdir() if p.suffix in (".jsonl", ".parquet"))
+    return f" ({path.parent} holds {', '.join(names[:8])})" if names else f" ({path.parent} holds no prompt file)"
 
 
 def _sequence_checks(cfg: DapoConfig, spec: ModelSpec) -> list[Check]:

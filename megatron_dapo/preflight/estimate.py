@@ -62,7 +62,6 @@ Ranks waiting for a rollout are not counted: they wait outside collectives.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -117,7 +116,7 @@ def model_architecture(model_path: str) -> tuple[ModelSpec, Path]:
     shipped = SHIPPED_MODELS / Path(model_path).name / "config.json"
     for path in (own, shipped):
         if path.is_file():
-            return model_spec_from_hf(json.loads(path.read_text())), path
+            return model_spec_from_hf(path), path
     demo = Path(model_path).name == "warm"  # `megatron-dapo demo --output DIR` makes DIR/warm
     hint = (f"run `megatron-dapo demo --output {Path(model_path).parent}` first, which makes it, or point model.path "
             "at a model folder") if demo else (f"point model.path at a Hugging Face model folder, or put the model's "

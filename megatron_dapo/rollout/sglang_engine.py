@@ -42,6 +42,7 @@ from pathlib import Path
 import aiohttp
 import orjson
 
+from megatron_dapo.errors import DapoError
 from megatron_dapo.rollout.engine import Sample, SamplingParams, sample_seed
 from megatron_dapo.rollout.router import SGLangRouter
 from megatron_dapo.rollout.routes import RouteLayout
@@ -55,7 +56,7 @@ ABORT_TIMEOUT_S = 5.0
 _WAKE = object()  # put on a stream's queue so its consumer looks again at what is left
 
 
-class RolloutError(RuntimeError):
+class RolloutError(DapoError, RuntimeError):
     """A group could not be sampled (the server refused it, or every try failed)."""
 
 

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from megatron_dapo.errors import DapoError
 from megatron_dapo.parallel.runtime import free_port
 from megatron_dapo.rollout.server_key import auth_headers, keyed_command
 from megatron_dapo.rollout.server_weight_loader import LOADER
@@ -36,7 +37,7 @@ CPU_FLAGS = ["--device", "cpu", "--attention-backend", "torch_native", "--sampli
 HEALTH_POLL_S = 0.25
 
 
-class ServerError(RuntimeError):
+class ServerError(DapoError, RuntimeError):
     """The server did not start, or died; the message carries the tail of its log."""
 
 

@@ -64,25 +64,29 @@ class RolloutService:
         self.cfg = cfg
         self.engine = engine
         self.reward_pool = RewardPool(cfg.reward)  # its workers start (import math-verify) while the rest loads
-        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-        rows, _ = load_prompt_rows(cfg.data.train_path)  # skipped rows are counted in its warning
-        if cfg.data.drop_duplicates:
-            total = len(rows)
-            rows = drop_duplicate_rows(rows)
-            log.info("%s: training on %d unique problems of %d rows (data.drop_duplicates)", cfg.data.train_path,
-                     len(rows), total)
-        self.eval_rows = load_prompt_rows(cfg.data.eval_path)[0] if cfg.data.eval_path else []
-        self.sampler = PromptSampler(len(rows), cfg.data.seed)
-        self.prompts = PromptSource(rows, self.sampler, self.tokenizer, max_prompt_len=cfg.data.max_prompt_len,
-                                    chat_template=cfg.data.chat_template, name=cfg.data.train_path)
-        self.params = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-                                     max_new_tokens=cfg.algorithm.max_response_len)
-        self.dynamic_sampler = DynamicSampler(engine, self._score_groups, self.prompts.next_items, cfg.algorithm,
-                                              self.params, dp_size=dp_size,
-                                              score_as_completed=cfg.rollout.engine == "sglang")
-        self.jobs = JobRunner(threaded=cfg.rollout.engine == "sglang")
-        # Setup's, not the first step's: seconds of worker start-up, and a worker that cannot start is named now.
-        self.reward_pool.wait_until_ready()
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+            rows, _ = load_prompt_rows(cfg.data.train_path)  # skipped rows are counted in its warning
+            if cfg.data.drop_duplicates:
+                total = len(rows)
+                rows = drop_duplicate_rows(rows)
+                log.info("%s: training on %d unique problems of %d rows (data.drop_duplicates)", cfg.data.train_path,
+                         len(rows), total)
+            self.eval_rows = load_prompt_rows(cfg.data.eval_path)[0] if cfg.data.eval_path else []
+            self.sampler = PromptSampler(len(rows), cfg.data.seed)
+            self.prompts = PromptSource(rows, self.sampler, self.tokenizer, max_prompt_len=cfg.data.max_prompt_len,
+                                        chat_template=cfg.data.chat_template, name=cfg.data.train_path)
+            self.params = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+                                         max_new_tokens=cfg.algorithm.max_response_len)
+            self.dynamic_sampler = DynamicSampler(engine, self._score_groups, self.prompts.next_items, cfg.algorithm,
+                                                  self.params, dp_size=dp_size,
+                                                  score_as_completed=cfg.rollout.engine == "sglang")
+            self.jobs = JobRunner(threaded=cfg.rollout.engine == "sglang")
+            # Setup's, not the first step's: seconds of worker start-up, and a worker that cannot start is named now.
+            self.reward_pool.wait_until_ready()
+        except BaseException:  # a bad prompt file, tokenizer or worker: the workers started above are stopped
+            self.reward_pool.close()
+            raise
 
     @classmethod
     def in_process(cls, cfg: DapoConfig, policy, device, dp_size: int) -> RolloutService:

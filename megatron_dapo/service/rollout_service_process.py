@@ -24,6 +24,7 @@ import traceback
 import weakref
 from pathlib import Path
 
+from megatron_dapo.errors import DapoError
 from megatron_dapo.run_config import DapoConfig
 from megatron_dapo.service.rollout_service import READY, RESYNC, ReadyBatch
 
@@ -34,7 +35,7 @@ BEAT = "beat"
 STARTUP_SILENCE_S = 120.0  # the most the process may take to start beating
 
 
-class RolloutServiceError(RuntimeError):
+class RolloutServiceError(DapoError, RuntimeError):
     """The rollout service failed, or its process is gone; the message carries its error."""
 
 

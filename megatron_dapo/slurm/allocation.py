@@ -7,8 +7,10 @@ import re
 import subprocess
 from dataclasses import dataclass
 
+from megatron_dapo.errors import DapoError
 
-class AllocationError(RuntimeError):
+
+class AllocationError(DapoError, RuntimeError):
     """The allocation cannot hold the requested layout, or SLURM's environment is missing."""
 
 

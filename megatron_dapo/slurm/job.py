@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_dapo.config import ConfigError
+from megatron_dapo.errors import DapoError
 from megatron_dapo.parallel.runtime import free_port
 from megatron_dapo.rollout.server_key import ensure_server_key
 from megatron_dapo.rollout.sglang_server import health_ok
@@ -34,7 +35,7 @@ from megatron_dapo.slurm.allocation import AllocationError, Node, colocate_nodes
 POLL_S = 0.5
 
 
-class StepFailed(RuntimeError):
+class StepFailed(DapoError, RuntimeError):
     """A step exited, or a server did not come up in time; the message names the step."""
 
 

@@ -13,6 +13,7 @@ from contextlib import contextmanager
 
 import torch.distributed as dist
 
+from megatron_dapo.errors import DapoError
 from megatron_dapo.rollout.server_key import auth_headers
 from megatron_dapo.rollout.sglang_server import post_json
 from megatron_dapo.weight_sync.buckets import Bucket
@@ -21,7 +22,7 @@ from megatron_dapo.weight_sync.metrics import SyncMetrics
 log = logging.getLogger(__name__)
 
 
-class WeightUpdateError(RuntimeError):
+class WeightUpdateError(DapoError, RuntimeError):
     """A server refused or failed a weight-update call; the message names the server and its reason."""
 
 

@@ -7,6 +7,8 @@ The fault is chosen by the environment; the production code has no hook for it:
                           marker) and then sleeps for an hour: the test kills the run there
   DAPO_FAULT=nan_logprobs from rollout step DAPO_FAULT_STEP on, the old log-probs of the first micro-batch of
                           rank DAPO_FAULT_RANK's share are NaN
+  DAPO_FAULT=inf_lr       from rollout step DAPO_FAULT_STEP on, the optimizer's learning rate is inf (as optim.lr: .inf
+                          was, before the config refused it): the gradients are finite, the update is not
 Each fault writes time.time() to DAPO_FAULT_SIGNAL when it fires (the ckpt_stall one once the file is written).
 With nan_logprobs the driver also appends to DAPO_FAULT_SIGNAL.batches one JSON line per step: the step, the
 weight version its batch was sampled by and its prompts (dataset rows).
@@ -95,9 +97,23 @@ def inject_nan_logprobs() -> None:
     BatchFeed.next_share = recorded_share
 
 
+def inject_inf_lr() -> None:
+    from megatron_dapo.config import OptimConfig
+
+    lr_at = OptimConfig.lr_at
+
+    def infinite_from_the_step(self, update, updates_per_step=1):
+        if update // updates_per_step + 1 >= int(os.environ["DAPO_FAULT_STEP"]):
+            fired(f"update {update}")
+            return float("inf")
+        return lr_at(self, update, updates_per_step)
+
+    OptimConfig.lr_at = infinite_from_the_step
+
+
 if __name__ == "__main__":
     from megatron_dapo import cli
 
     {"ckpt_enospc": inject_ckpt_enospc, "ckpt_stall": inject_ckpt_stall,
-     "nan_logprobs": inject_nan_logprobs}[os.environ["DAPO_FAULT"]]()
+     "nan_logprobs": inject_nan_logprobs, "inf_lr": inject_inf_lr}[os.environ["DAPO_FAULT"]]()
     sys.exit(cli.main(sys.argv[1:]))

@@ -2,6 +2,8 @@
 
 stop R: rank R stops itself (SIGSTOP) after the first barrier; the other waits in the second barrier.
 finish: both end normally, rank 1 first (rank 0 outlives its last beat by three timeouts).
+fail R: rank R fails (an error, as in a trainer's setup) and stays alive afterwards, as a process whose exit hangs
+        would; the other waits in the second barrier.
 """
 
 import os
@@ -27,7 +29,14 @@ if scenario == "finish":
     heartbeat.close()
     print(f"rank {rank} done", flush=True)
     sys.exit(0)
-if rank == int(sys.argv[2]):
+if scenario == "fail" and rank == int(sys.argv[2]):
+    try:
+        with heartbeat:
+            raise FileNotFoundError("train.jsonl: no such file")
+    except FileNotFoundError:
+        print(f"rank {rank} failed", flush=True)
+    time.sleep(600)
+if scenario == "stop" and rank == int(sys.argv[2]):
     time.sleep(1.0)  # beats that say what it does
     os.kill(os.getpid(), signal.SIGSTOP)
 dist.barrier()  # waits on the stopped rank: only the heartbeat can end this
