@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from test_trainer_loop import config, failed, fault, kill_tree, launch, metrics
+from test_trainer_loop import config, failed, fault, finish, kill_tree, launch, metrics
 
 pytestmark = pytest.mark.slow
 EXIT_WITHIN_S = 60
@@ -123,3 +123,42 @@ def test_an_update_that_makes_the_weights_non_finite_stops_the_run_and_nothing_i
     assert [r["step"] for r in metrics(out)] == [1]
     print(f"non-finite update: the run ended {stop_s:.1f} s after it")
     assert stop_s < EXIT_WITHIN_S
+
+
+def test_a_damaged_newest_checkpoint_is_named_with_the_complete_one_before_it_and_a_flipped_optimizer_by_key(
+        task, tmp_path):
+    """A shard of the newest checkpoint cut after its COMPLETE marker was written: the resume names the checkpoint
+    before loading it, then fails in seconds naming it and the complete checkpoint before it, and how to resume from
+    that one (which then works). Resuming with optim.distributed_optimizer flipped is refused by key (it was a raw
+    KeyError over the optimizer state's names)."""
+    out = tmp_path / "run"
+    cfg = config(task, out, rollout={"engine": "local"}, eval={"every": 0},
+                 train={"steps": 2, "updates_per_step": 1, "checkpoint_every": 1, "keep_last": 3})
+    finish(launch(cfg, 1), cfg)
+    root = out / "checkpoints"
+    newest, previous = root / "step_000002", root / "step_000001"
+    shard = max((newest / "model").glob("*.distcp"), key=lambda p: p.stat().st_size)
+    with shard.open("r+b") as f:
+        f.truncate(shard.stat().st_size // 2)
+
+    rc, said, took = train(cfg, "train.steps=3")
+    print(f"damaged checkpoint: exit code {rc} after {took:.1f} s")
+    assert rc != 0 and took < EXIT_WITHIN_S, said[-6000:]
+    assert f"resuming from {newest}" in said
+    line = one_line_error(said)
+    assert line.startswith(f"megatron-dapo train: CheckpointError: {newest}: could not be loaded on rank 0 "
+                           "(EOFError: a file of it ends early (cut short?)); "), line
+    assert (f"the complete checkpoints before it: step_000001; to resume from step_000001, move step_000002 aside "
+            f"(mv {newest} {newest}.damaged) and rerun") in line, line
+
+    newest.rename(f"{newest}.damaged")
+    rc, said, took = train(cfg, "train.steps=3", "optim.distributed_optimizer=false")
+    assert rc != 0 and took < EXIT_WITHIN_S, said[-6000:]
+    assert one_line_error(said).startswith(
+        f"megatron-dapo train: CheckpointError: {previous}: saved with optim.distributed_optimizer = true, resumed "
+        "with false: the optimizer's state is laid out otherwise; set optim.distributed_optimizer: true to resume it")
+
+    rc, said, _ = train(cfg, "train.steps=3")
+    assert rc == 0, said[-6000:]
+    assert f"resumed from {previous} (step 1)" in (out / "train.log").read_text()
+    assert [r["step"] for r in metrics(out)][-2:] == [2, 3]

@@ -390,6 +390,53 @@ def test_weights_that_are_not_finite_are_not_exported(source_mcore, tmp_path, mo
     assert _nothing_written(tmp_path / "out")
 
 
+def test_a_full_disk_is_said_as_such_and_nothing_is_left(source, tmp_path, monkeypatch):
+    """Issue 49: a disk that fills up during a conversion was reported as torch's 'unexpected pos'. The writer's
+    failure is injected: ENOSPC itself, and torch's own words for it with (as a full disk leaves) no space left."""
+    import errno
+
+    from megatron_dapo.checkpoint import atomic_output, convert
+
+    def filling(directory, *args, **kwargs):
+        (directory / "__0_0.distcp").write_bytes(b"x" * 1000)
+        raise failure
+
+    monkeypatch.setattr(convert, "write_mcore_checkpoint", filling)
+    out = tmp_path / "out"
+    for failure in (OSError(errno.ENOSPC, "No space left on device"),
+                    RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 4416 vs 4308")):
+        if isinstance(failure, RuntimeError):  # the disk as it is then: less than the threshold free
+            monkeypatch.setattr(atomic_output, "LOW_SPACE_BYTES", shutil.disk_usage(tmp_path).free + 2**30)
+        with pytest.raises(OSError, match=rf"no space left in {tmp_path} while writing out \(\d+ MiB free then; the "
+                                          r"partial output is removed\): free space there, or write elsewhere"):
+            hf_to_mcore(source[0], out, tp=2, pp=2)
+        assert _nothing_written(out)
+    monkeypatch.setattr(atomic_output, "LOW_SPACE_BYTES", 0)
+    with pytest.raises(RuntimeError, match="unexpected pos"):  # with space left it is not the disk: said as it is
+        hf_to_mcore(source[0], out, tp=2, pp=2)
+
+
+def test_the_partial_output_of_a_killed_conversion_is_swept_by_the_next(source, tmp_path):
+    """A conversion killed midway leaves its hidden partial folder (hundreds of GB at scale); the next one into the
+    same folder removes it, if its process is gone and it was this host's (another host's may still be writing)."""
+    import os
+    import socket
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    host = socket.gethostname()
+    dead = tmp_path / f".big.partial-{host}-{gone.pid}"
+    older = tmp_path / f".bigger.partial-{gone.pid}"  # named as before the host was in the name
+    elsewhere = tmp_path / f".big.partial-another-host-{gone.pid}"
+    running = tmp_path / f".big.partial-{host}-{os.getppid()}"
+    for folder in (dead, older, elsewhere, running):
+        (folder / "shard").mkdir(parents=True)
+    hf_to_mcore(source[0], tmp_path / "out", tp=2, pp=2)
+    assert not dead.exists() and not older.exists()
+    assert elsewhere.exists() and running.exists()
+    assert (tmp_path / "out" / "megatron_dapo.json").is_file()
+
+
 def test_not_a_distributed_checkpoint(source, tmp_path):
     with pytest.raises(CheckpointError, match="not a megatron-dapo distributed checkpoint"):
         mcore_to_hf(source[0], tmp_path / "out")

@@ -20,13 +20,13 @@ import argparse
 import dataclasses
 import itertools
 import logging
-import os
 import shutil
 import sys
 from pathlib import Path
 
 import torch
 
+from megatron_dapo.checkpoint.atomic_output import atomic_output
 from megatron_dapo.checkpoint.hf_mapping import (
     HF_EMBEDDING,
     HF_FINAL_NORM,
@@ -84,11 +84,7 @@ def hf_to_mcore(input_dir, output_dir, *, tp: int, pp: int, ep: int = 1) -> Path
     check_divisibility(spec, ParallelConfig(tensor_parallel=tp, expert_parallel=ep, pipeline_parallel=pp,
                                             sequence_parallel=spec.is_moe and tp > 1, device="cpu"))
     dtype = _checkpoint_dtype(ckpt)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
+    with atomic_output(out) as tmp:
         bar = _progress(len(megatron_names(spec)), "hf -> mcore")
         write_mcore_checkpoint(tmp, ckpt.get, spec, tp=tp, padded_vocab=padded_vocab_size(spec.vocab_size, tp),
                                dtype=dtype, on_tensor=lambda _: bar.update(1))
@@ -98,12 +94,6 @@ def hf_to_mcore(input_dir, output_dir, *, tp: int, pp: int, ep: int = 1) -> Path
         for name in ("config.json", *SIDE_FILES):
             if (ckpt.path / name).is_file():
                 shutil.copy2(ckpt.path / name, tmp / HF_SUBDIR / name)
-        if out.exists():
-            out.rmdir()
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 import struct
 from collections.abc import Iterable
@@ -23,6 +22,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from megatron_dapo.checkpoint.atomic_output import atomic_output
 from megatron_dapo.checkpoint.hf_mapping import (
     HF_DERIVED_SUFFIXES,
     HF_EMBEDDING,
@@ -169,11 +169,7 @@ def write_hf_checkpoint(out_dir, tensors: Iterable[tuple[str, torch.Tensor]], *,
         raise CheckpointError(f"{out}: already holds a checkpoint; choose a new output folder or remove it")
     if out.exists() and any(out.iterdir()):
         raise CheckpointError(f"{out}: exists and is not empty; choose a new output folder")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
+    with atomic_output(out) as tmp:
         shard: dict[str, torch.Tensor] = {}
         shard_bytes, files, weight_map, total = 0, [], {}, 0
 
@@ -210,10 +206,4 @@ def write_hf_checkpoint(out_dir, tensors: Iterable[tuple[str, torch.Tensor]], *,
                 src = Path(side_files_from) / name
                 if src.is_file():
                     shutil.copy2(src, tmp / name)
-        if out.exists():
-            out.rmdir()  # empty, checked above
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out

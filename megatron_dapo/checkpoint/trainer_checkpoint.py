@@ -321,7 +321,8 @@ def save_trainer_checkpoint(root, step: int, trainer, extra: dict, keep_last: in
                                                   str(tmp / OPTIMIZER_DIR)), root, tmp, step)
     layout = _layout()
     state = {"format": FORMAT, "step": step, "trainer_step_count": trainer.step_count,
-             "model": dataclasses.asdict(trainer.spec), "layout": layout, "extra": extra_json}
+             "model": dataclasses.asdict(trainer.spec), "layout": layout,
+             "optimizer": {"distributed": trainer.optim.distributed_optimizer}, "extra": extra_json}
     meta = {"tensor_parallel": layout["tensor_parallel"], "expert_parallel": trainer.parallel.expert_parallel,
             "pipeline_parallel": layout["pipeline_parallel"], "dtype": next(trainer.module.parameters()).dtype}
     # Every rank's files are in place (agreed above) before the marker.
@@ -351,21 +352,58 @@ def check_model_shape(state: dict, spec, path) -> None:
                               "model the run was started with, or start a new run in another folder")
 
 
+def check_optimizer_layout(state: dict, optim, path) -> None:
+    """The distributed optimizer's state and the plain one's are laid out under other keys: refuse to resume one
+    as the other, naming the setting. (A checkpoint that predates the record is not checked.)"""
+    saved = state.get("optimizer", {}).get("distributed")
+    if saved is not None and saved != optim.distributed_optimizer:
+        raise CheckpointError(f"{path}: saved with optim.distributed_optimizer = {str(saved).lower()}, resumed with "
+                              f"{str(optim.distributed_optimizer).lower()}: the optimizer's state is laid out "
+                              f"otherwise; set optim.distributed_optimizer: {str(saved).lower()} to resume it (the "
+                              "setting can change only in a new run, in another train.output_dir)")
+
+
+def _load_failed(path: Path, error: BaseException) -> CheckpointError:
+    """A checkpoint marked complete that does not load (a shard cut or damaged after it was written): named, with
+    the complete checkpoints before it and how to resume from the newest of them."""
+    step = int(_NAME.fullmatch(path.name).group(1)) if _NAME.fullmatch(path.name) else None
+    before = [p for p in complete_checkpoints(path.parent)
+              if step is not None and int(_NAME.fullmatch(p.name).group(1)) < step]
+    if isinstance(error, CheckpointException) and error.failures:  # each failed rank's own error: the first's
+        error = next(iter(error.failures.values()))[0]
+    what = type(error).__name__ + (f": {str(error).splitlines()[0]}" if str(error).strip() else "")
+    if isinstance(error, EOFError):
+        what += ": a file of it ends early (cut short?)"
+    if before:
+        how = (f"the complete checkpoints before it: {', '.join(p.name for p in reversed(before))}; to resume from "
+               f"{before[-1].name}, move {path.name} aside (mv {path} {path}.damaged) and rerun")
+    else:
+        how = f"there is no complete checkpoint before it: move {path.name} aside to start the run afresh"
+    return CheckpointError(f"{path}: could not be loaded on rank {dist.get_rank()} ({what}); {how}")
+
+
 def load_trainer_checkpoint(path, trainer) -> dict:
     """Collective: restore `trainer`'s model, optimizer, step counter and this rank's RNG states from the
     checkpoint at `path`; returns the `extra` dict it was saved with. RNG states come back only at the
-    layout they were saved at (at another one the run goes on, with a warning, but not bitwise alike)."""
+    layout they were saved at (at another one the run goes on, with a warning, but not bitwise alike).
+    A checkpoint that does not load is a CheckpointError naming it and the complete ones before it."""
     path = Path(path)
     state = read_trainer_state(path)
     check_model_shape(state, trainer.spec, path)
+    check_optimizer_layout(state, trainer.optim, path)
     from megatron.core import dist_checkpointing
 
-    load_model(trainer.module, path / MODEL_DIR)
-    loaded = dist_checkpointing.load(_optimizer_sharded_state(trainer, is_loading=True), str(path / OPTIMIZER_DIR))
-    _load_optimizer(trainer, loaded)
+    try:
+        load_model(trainer.module, path / MODEL_DIR)
+        loaded = dist_checkpointing.load(_optimizer_sharded_state(trainer, is_loading=True),
+                                         str(path / OPTIMIZER_DIR))
+        _load_optimizer(trainer, loaded)
+        rng = (torch.load(path / RNG_DIR / f"rank_{dist.get_rank():05d}.pt", weights_only=True)
+               if state["layout"] == _layout() else None)
+    except (Exception, CheckpointException) as e:  # EOFError, megatron-core's CheckpointingException, torch's
+        raise _load_failed(path, e) from e  # CheckpointException (a BaseException) with each rank's error, ...
     trainer.step_count = state["trainer_step_count"]
-    if state["layout"] == _layout():
-        rng = torch.load(path / RNG_DIR / f"rank_{dist.get_rank():05d}.pt", weights_only=True)
+    if rng is not None:
         _set_rng_state(rng, trainer.parallel.device == "cuda")
     elif dist.get_rank() == 0:
         log.warning("%s: saved at layout %s, resumed at %s: weights and optimizer resharded, RNG states not "

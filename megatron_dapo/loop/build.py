@@ -94,6 +94,8 @@ def _build(cfg: DapoConfig, teardown: ExitStack) -> TrainerParts:
         teardown.callback(service.close)
     checkpoint_root = Path(cfg.train.output_dir) / "checkpoints"
     resume = latest_checkpoint(checkpoint_root) if cfg.train.resume else None
+    if resume is not None and driver:
+        log.info("resuming from %s (train.resume; the newest complete checkpoint in %s)", resume, checkpoint_root)
     extra = load_trainer_checkpoint(resume, policy.trainer) if resume is not None else None
     progress = RunProgress(extra["step"] if extra else 0)
     if extra:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -123,6 +124,7 @@ def model_spec_from_hf(config) -> ModelSpec:
     missing = [k for k in REQUIRED_KEYS if k not in config]
     if missing:
         raise ConfigError(f"{missing[0]}: missing from config.json (needed: {', '.join(REQUIRED_KEYS)})")
+    _check_numbers(config)
     if config.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"hidden_act: {config['hidden_act']!r} is not supported; only 'silu' (SwiGLU) is")
     if config.get("use_sliding_window"):
@@ -136,6 +138,8 @@ def model_spec_from_hf(config) -> ModelSpec:
     default_bias, qk_norm = SUPPORTED_ARCHITECTURES[arch]
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
     rope_theta, rope_scaling = _rope(config)
+    if not (math.isfinite(rope_theta) and rope_theta > 0):
+        raise ConfigError(f"rope_theta: must be a finite number > 0 in config.json, got {rope_theta!r}")
     return ModelSpec(
         architecture=arch,
         num_layers=config["num_hidden_layers"],
@@ -154,6 +158,24 @@ def model_spec_from_hf(config) -> ModelSpec:
         rope_scaling=rope_scaling,
         **(_moe_fields(config) if arch in MOE_ARCHITECTURES else {}),
     )
+
+
+WHOLE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size",
+              "max_position_embeddings", "num_key_value_heads", "head_dim", "moe_intermediate_size")
+
+
+def _check_numbers(config: dict) -> None:
+    """config.json's sizes are whole numbers >= 1 and rms_norm_eps a small positive number: a hand-edited or
+    corrupted config is named by key, not built into a model that fails (or computes garbage) later."""
+    for key in WHOLE_KEYS:
+        value = config.get(key)
+        if value is None and key not in REQUIRED_KEYS:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(f"{key}: must be a whole number >= 1 in config.json, got {value!r}")
+    eps = config["rms_norm_eps"]
+    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not (math.isfinite(eps) and 0 < eps < 1):
+        raise ConfigError(f"rms_norm_eps: must be a number in (0, 1) in config.json, got {eps!r}")
 
 
 def _moe_fields(config: dict) -> dict:

@@ -93,8 +93,8 @@ def preflight(cfg: DapoConfig, hardware: Hardware = Hardware(), files: bool = Fa
         "solo wait " + "; ".join(f"{w.cause}: {_size(w.nbytes)} at {DISK_BYTES_PER_S / GB:g} GB/s = {w.seconds:.0f} s"
                                  for w in waits),
     ])
-    checks = [*(_file_checks(cfg) if files else []), *_sequence_checks(cfg, spec),
-              *_timeout_checks(cfg, spec, server, waits)]
+    checks = [*_sequence_checks(cfg, spec), *_timeout_checks(cfg, spec, server, waits),
+              *(_file_checks(cfg) if files else [])]
     return Report(text, checks)
 
 
