@@ -51,27 +51,34 @@ class TrainerParts:
     teardown: ExitStack  # what stops the parts that hold processes, threads and files, last built first
 
     def close(self, error: BaseException | None = None) -> None:
-        """Stop every part; `error`: what ended the run, which this rank's heartbeat tells the other ranks."""
+        """Stop every part; `error`: what ended the run, which this rank's heartbeat tells the other ranks first."""
+        if error is not None:
+            self.heartbeat.failing(error)
         self.teardown.__exit__(type(error) if error else None, error, error.__traceback__ if error else None)
 
 
 def build_parts(cfg: DapoConfig) -> TrainerParts:
     with ExitStack() as teardown:  # an error below unwinds what was built before it
-        parts = _build(cfg, teardown)
+        writer_helper = start_writer_helper()  # it starts beside the setup below, not inside the first checkpoint
+        # A process exits only once the helper is up: the interpreter's exit waits for the helper process it is
+        # starting, which nothing would then stop.
+        teardown.callback(writer_helper.join)
+        runtime = init_runtime(cfg.parallel)
+        teardown.callback(shutdown_runtime)
+        heartbeat = teardown.enter_context(RankHeartbeat.of_rank(runtime.env, cfg.parallel.heartbeat_timeout_s))
+        try:
+            parts = _build(cfg, runtime, heartbeat, teardown)
+        except BaseException as error:
+            heartbeat.failing(error)  # the others are told at once, while this rank stops what it started
+            raise
+        writer_helper.join()
         parts.teardown = teardown.pop_all()
         return parts
 
 
-def _build(cfg: DapoConfig, teardown: ExitStack) -> TrainerParts:
+def _build(cfg: DapoConfig, runtime: Runtime, heartbeat: RankHeartbeat, teardown: ExitStack) -> TrainerParts:
     from megatron.core import parallel_state
 
-    writer_helper = start_writer_helper()  # it starts beside the setup below, not inside the first checkpoint
-    # A process exits only once the helper is up: the interpreter's exit waits for the helper process it is
-    # starting, which nothing would then stop.
-    teardown.callback(writer_helper.join)
-    runtime = init_runtime(cfg.parallel)
-    teardown.callback(shutdown_runtime)
-    heartbeat = teardown.enter_context(RankHeartbeat.of_rank(runtime.env, cfg.parallel.heartbeat_timeout_s))
     driver, dp_size = dist.get_rank() == 0, runtime.data_parallel
     cfg.algorithm.check_data_parallel(dp_size)
     hf, spec = open_hf_checkpoint(cfg.model)
@@ -120,7 +127,6 @@ def _build(cfg: DapoConfig, teardown: ExitStack) -> TrainerParts:
         check_servers(cfg.rollout.server_urls, policy.module, spec, temperature=cfg.rollout.temperature,
                       max_tokens_per_micro_batch=cfg.model.max_tokens_per_micro_batch, device=runtime.device,
                       packed=cfg.model.packing)
-    writer_helper.join()
     return TrainerParts(runtime, heartbeat, policy, feed, publisher, schedule, metrics, progress, checkpoint_root,
                         teardown)
 

@@ -62,6 +62,7 @@ class RankHeartbeat:
         self._store = None if store_address is None else dist.TCPStore(
             store_address, store_port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
         self._stop = threading.Event()
+        self._failing = False  # this rank unwinds an error of its own: it no longer ends itself on the others'
         self._beats = 0
         if self._store is not None:
             self._beat()
@@ -113,7 +114,7 @@ class RankHeartbeat:
                 if self._store is None:
                     continue
                 self._beat()
-                if not self._call(self._store.check, keys):  # not every rank beats yet (still starting)
+                if self._failing or not self._call(self._store.check, keys):  # not every rank beats yet (starting)
                     continue
                 now = time.monotonic()
                 for rank, value in zip(others, self._call(self._store.multi_get, keys)):
@@ -147,17 +148,26 @@ class RankHeartbeat:
         logging.shutdown()  # flushed: os._exit skips it
         os._exit(code)
 
+    def failing(self, error: BaseException) -> None:
+        """Main thread: this rank fails with `error` and now stops what it started. The other ranks are told at its
+        next beats (and end, naming it); it no longer ends itself on another rank's failure or silence, nor on a
+        deadline, so that it stops its own helpers and says its own error. A signal's SystemExit is not told: the
+        launcher stops every rank for those."""
+        self._failing, self._deadline = True, None
+        if isinstance(error, Exception):
+            self.doing = f"{FAILED}{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+
     def close(self, error: BaseException | None = None) -> None:
         """This rank is ending: say so, so that the others do not take it for stuck; with the `error` that ends it,
         which the others then end on, naming it."""
+        if error is not None:
+            self.failing(error)
         self._stop.set()
         self._thread.join()
         if self._store is None:
             return
-        failed = isinstance(error, Exception)  # not a signal's SystemExit: the launcher stops every rank for those
         try:
-            self._beat(f"{FAILED}{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
-                       if failed else EXITED)
+            self._beat(self.doing if self.doing.startswith(FAILED) else EXITED)
         except StoreStuck:
             pass  # the store is gone already: the job is ending
 
