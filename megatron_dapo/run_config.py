@@ -61,6 +61,11 @@ class DapoConfig:
             _require(p.tensor_parallel == 1 and p.pipeline_parallel == 1 and p.context_parallel == 1, "rollout.engine",
                      "'local' samples from the policy in-process and needs parallel.tensor_parallel = "
                      "parallel.pipeline_parallel = parallel.context_parallel = 1; use 'sglang' for split models")
+            # Issue 50: the driver's forward waited in the experts' all-to-all for ranks that were not sampling.
+            _require(p.expert_parallel == 1, "rollout.engine",
+                     f"'local' samples on the driver alone, but parallel.expert_parallel = {p.expert_parallel} deals "
+                     "the experts over ranks whose all-to-all every forward needs; use 'sglang', or "
+                     "parallel.expert_parallel = 1")
         if r.engine == "sglang" and r.weight_sync == "tensor":
             _require(r.server_tensor_parallel == 1 and r.num_servers == 1, "rollout.weight_sync",
                      "'tensor' (colocated) pushes to one server at TP 1; use 'distributed' or 'disk'")

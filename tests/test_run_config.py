@@ -105,6 +105,8 @@ def test_bad_values_name_their_key(override, key):
 @pytest.mark.parametrize("overrides,key", [
     (["rollout.engine=local", "parallel.tensor_parallel=2"], "rollout.engine"),
     (["rollout.engine=local", "parallel.context_parallel=2"], "rollout.engine: .* parallel.context_parallel = 1"),
+    (["rollout.engine=local", "parallel.expert_parallel=2"], "rollout.engine: 'local' samples on the driver alone, "
+                                                             "but parallel.expert_parallel = 2"),
     (["rollout.weight_sync=tensor", "rollout.num_servers=2"], "rollout.weight_sync"),
     (["train.updates_per_step=20", "algorithm.batch_size=2", "algorithm.group_size=4"], "train.updates_per_step"),
     (["rollout.colocate=true", "rollout.engine=local"], "rollout.colocate: .* set rollout.colocate to false"),
