@@ -103,7 +103,7 @@ class ParallelConfig:
         return data
 
 
-MAX_LR = 1.0  # optim.lr's bound, exclusive
+MAX_LR = 1.0  # optim.lr's bound, exclusive, unless adam_eps >= lr
 HIGH_LR = 1e-3  # above it optim.lr is warned of: tiny demo models train at 2e-4, RL fine-tuning of LLMs at ~1e-6
 
 
@@ -120,12 +120,15 @@ class OptimConfig:
     distributed_optimizer: bool = True
 
     def __post_init__(self):
-        # Adam at lr >= 1 only destroys weights: such a value is a typo (1e6 for 1e-6), refused with the guess.
-        if isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr >= MAX_LR:
+        _finite(self.lr, "optim.lr", 0, low_open=True)
+        _finite(self.adam_eps, "optim.adam_eps", 0, low_open=True)
+        # Adam moves each weight by up to about lr per update (while adam_eps is small beside the gradients): at
+        # lr >= 1 weights of size ~0.02 are destroyed at once, and such a value is a typo (1e6 for 1e-6). With
+        # adam_eps >= lr the update is a plain gradient step of lr / adam_eps at most, which is what it means.
+        if self.lr >= MAX_LR and self.adam_eps < self.lr:
             guess = f"; did you mean {1 / self.lr:g}?" if self.lr > 1 else ""
-            raise ConfigError(f"optim.lr: {self.lr:g} is no learning rate for Adam (RL fine-tuning uses 1e-7 to "
-                              f"1e-5){guess}")
-        _finite(self.lr, "optim.lr", 0, MAX_LR, low_open=True)
+            raise ConfigError(f"optim.lr: {self.lr:g} is no learning rate for Adam, which moves each weight by up to "
+                              f"about lr per update (RL fine-tuning uses 1e-7 to 1e-5){guess}")
         if self.lr > HIGH_LR:
             log.warning("optim.lr = %g is far above what RL fine-tuning uses (1e-7 to 1e-5; DAPO's 1e-6): a large "
                         "model's first updates may wreck it", self.lr)
@@ -134,7 +137,6 @@ class OptimConfig:
         _finite(self.weight_decay, "optim.weight_decay", 0)
         _finite(self.adam_beta1, "optim.adam_beta1", 0, 1)
         _finite(self.adam_beta2, "optim.adam_beta2", 0, 1)
-        _finite(self.adam_eps, "optim.adam_eps", 0, 1, low_open=True)
 
     def lr_at(self, update: int, updates_per_step: int = 1) -> float:
         """Linear warmup over warmup_steps rollout steps of `updates_per_step` optimizer updates each, then

@@ -47,10 +47,10 @@ def test_overrides_are_read_as_yaml():
     ("optim.lr=0", "optim.lr"),
     ("optim.lr=fast", "optim.lr: must be float"),
     # Issue 49: these trained to NaN weights (or would have) and exited 0.
-    ("optim.lr=.inf", "optim.lr: must be a finite number in \\(0, 1\\), got inf"),
+    ("optim.lr=.inf", "optim.lr: must be a finite number in \\(0, inf\\), got inf"),
     ("optim.lr=.nan", "optim.lr: must be a finite number"),
-    ("optim.lr=1e6", "optim.lr: 1e\\+06 is no learning rate for Adam .*; did you mean 1e-06?"),
-    ("optim.adam_eps=-1", "optim.adam_eps: must be a finite number in \\(0, 1\\), got -1"),
+    ("optim.lr=1e6", "optim.lr: 1e\\+06 is no learning rate for Adam, which moves each weight .*; did you mean 1e-06?"),
+    ("optim.adam_eps=-1", "optim.adam_eps: must be a finite number in \\(0, inf\\), got -1"),
     ("optim.adam_eps=0", "optim.adam_eps"),
     ("optim.weight_decay=-5", "optim.weight_decay: must be a finite number in [0, inf\\), got -5"),
     ("optim.clip_grad=.inf", "optim.clip_grad: must be a finite number"),
