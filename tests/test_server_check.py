@@ -64,9 +64,9 @@ def test_something_else_at_the_url_is_named_with_an_excerpt_of_its_answer(server
     assert said.endswith("...'") and len(said) < 400
 
 
-@pytest.mark.parametrize("status,says", [(404, "is it an SGLang server?"),
-                                         (401, "the server wants the run's key: export MEGATRON_DAPO_SERVER_KEY as the server was "
-                                               "started with")])
+@pytest.mark.parametrize("status,says", [
+    (404, "is it an SGLang server?"),
+    (401, "the server wants the run's key: export MEGATRON_DAPO_SERVER_KEY as the server was started with")])
 def test_an_http_error_is_named_with_what_to_do(servers, status, says):
     url = servers(status, b'{"detail": "no"}')
     with pytest.raises(ServerError, match=rf"{url}/get_model_info answered HTTP {status} '\{{\"detail\": \"no\"}}'; "

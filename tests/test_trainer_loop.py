@@ -454,8 +454,8 @@ def test_sglang_a_nan_in_the_old_logprobs_skips_the_step_keeps_the_servers_weigh
                  eval={"every": 0})
     flag = tmp_path / "fault"
     stop_s = failed(launch(cfg, 1, fault=fault("nan_logprobs", flag, step=2, rank=0)), cfg, flag)
-    assert ("NonFiniteTraining: 2 steps in a row had updates with a non-finite loss or gradient (train.max_bad_steps = 2); "
-            "the last good weights are the servers' and the latest checkpoint's") in cfg.with_suffix(".log").read_text()
+    assert ("NonFiniteTraining: 2 steps in a row had updates with a non-finite loss or gradient (train.max_bad_steps = "
+            "2); the last good weights are the servers' and the latest checkpoint's") in cfg.with_suffix(".log").read_text()
 
     rows = metrics(out)
     assert [r["step"] for r in rows] == [1, 2]  # step 3 stopped the run
