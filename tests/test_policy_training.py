@@ -104,7 +104,9 @@ def test_sample_level_aggregation_is_its_definition_and_the_same_whatever_the_sp
     not the token-level step (the batch's responses are 4 to 60 tokens long)."""
     base_meta, base = runs[SAMPLE_BASE]
     meta, split = runs[SAMPLE_SPLIT]
-    assert base_meta["loss"] == pytest.approx(base_meta["reference_loss"], rel=1e-5)
+    # fp32 against float64, of a loss that cancels (0.0029 from terms of either sign): off by 2.0e-5 of it on an
+    # AVX2-only EPYC (on main too), within 1e-5 on the machines before
+    assert base_meta["loss"] == pytest.approx(base_meta["reference_loss"], rel=5e-5)
     assert meta["loss"] == pytest.approx(base_meta["loss"], rel=1e-5)
     assert meta["grad_norm"] == pytest.approx(base_meta["grad_norm"], rel=1e-5)
     scale = max(v.abs().max().item() for v in base.values())
