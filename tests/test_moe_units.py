@@ -186,6 +186,33 @@ def test_bad_routes_and_replay_of_a_dense_model_are_refused():
     assert moe_options(model_spec_from_hf(QWEN3_MOE), None, routing_replay=True)["moe_enable_routing_replay"]
 
 
+def routes_of(*tokens):
+    """A sequence of len(tokens) + 1 tokens whose routes are `tokens` (each a list of MoE layers' expert lists)."""
+    return Sequence(torch.arange(len(tokens) + 1), 1, torch.tensor(tokens, dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("bad,says", [
+    ([[[0, 1, 2]], [[0, 1, 2]]], "routes of 1 MoE layers x 3 experts a token, but the model routes 2 MoE layers x top "
+                                 "2: routes of another model"),  # top-k + 1
+    ([[[0], [1]], [[0], [1]]], "routes of 2 MoE layers x 1 experts a token"),  # top-k - 1
+    ([[[0, 1], [2, 3], [0, 1]], [[0, 1], [2, 3], [0, 1]]], "routes of 3 MoE layers x 2"),  # an extra layer column
+    ([[[0, 1]], [[2, 3]]], "routes of 1 MoE layers x 2"),  # a layer too few
+    ([[[0, 1], [2, 3]], [[0, 1], [2, 8]]], "token 1, MoE layer 1: expert id 8 is not one of the model's 8 experts "
+                                           r"\(0 to 7\)"),
+    ([[[0, 1], [2, 3]], [[5, 5], [2, 3]]], r"token 1, MoE layer 0 names an expert twice \(\[5, 5\]\): a token's top 2 "
+                                           "experts are distinct"),
+])
+def test_routes_that_do_not_fit_the_model_are_refused_by_sequence(bad, says):
+    """Issue 50, finding 2: the trainer replayed routes of any shape (top-k + 1 or - 1, a duplicated expert, an extra
+    layer column) without a word; a layer too few or an id past the experts was a bare IndexError or RuntimeError."""
+    from megatron_dapo.policy.routing_replay import RoutesInvalid, check_routes
+
+    good = routes_of([[0, 1], [2, 3]], [[4, 5], [6, 7]])
+    check_routes([good, Sequence(torch.arange(3), 1)], moe_layers=2, topk=2, experts=8)  # one without: not checked
+    with pytest.raises(RoutesInvalid, match=f"^sequence 1: {says}"):
+        check_routes([good, routes_of(*bad)], moe_layers=2, topk=2, experts=8)
+
+
 def test_the_steps_metrics_carry_the_load_balancing_loss_when_there_is_one():
     from megatron_dapo.config import LossConfig
     from megatron_dapo.loop.step_metrics import train_metrics

@@ -112,13 +112,14 @@ def response_logprobs(model, sequences: list[Sequence], *, vocab_size: int, max_
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     check_sequences(sequences, max_positions)
+    replayer = route_replayer(model)
+    if replayer is not None:
+        replayer.check(sequences)
     mbs = model_micro_batches(model.config, sequences, max_tokens_per_micro_batch, device, packed)
 
     def loss_func(mb, logits):
         logp, entropy = micro_batch_logprobs(logits, mb, vocab_size, inplace_backward=False, temperature=temperature)
         return logits.new_zeros(()), {"logp": logp, "entropy": entropy}
-
-    replayer = route_replayer(model)
 
     def forward_step(data_iterator, model):
         mb = next(data_iterator)

@@ -25,6 +25,38 @@ class RoutesMissing(ValueError):
     """Routing replay is on and a sequence came without its routes."""
 
 
+class RoutesInvalid(ValueError):
+    """A sequence's routes do not fit the model: another shape, an id past its experts, an expert named twice."""
+
+
+def check_routes(sequences, moe_layers: int, topk: int, experts: int) -> None:
+    """Every sequence's routes (those it has) are [tokens, `moe_layers`, `topk`] ids of distinct experts in
+    [0, `experts`): refused by sequence otherwise. Replayed as they are, routes of another shape route silently
+    wrong (a column too many or too few is read as another layer's or another expert's), and an id out of range
+    fails as a bare IndexError, or a device assert on a GPU. Today's engines cannot produce them; a resumed buffer of
+    another model, or another engine, can."""
+    for i, s in enumerate(sequences):
+        routes = s.routes
+        if routes is None:
+            continue
+        if tuple(routes.shape[1:]) != (moe_layers, topk):
+            raise RoutesInvalid(f"sequence {i}: routes of {routes.shape[1]} MoE layers x {routes.shape[2]} experts a "
+                                f"token, but the model routes {moe_layers} MoE layers x top {topk}: routes of another "
+                                "model, or of another engine's layout")
+        bad = (routes < 0) | (routes >= experts)
+        if bool(bad.any()):
+            token, layer, slot = bad.nonzero()[0].tolist()
+            raise RoutesInvalid(f"sequence {i}: token {token}, MoE layer {layer}: expert id "
+                                f"{int(routes[token, layer, slot])} is not one of the model's {experts} experts "
+                                f"(0 to {experts - 1})")
+        ordered = routes.sort(dim=-1).values
+        twice = (ordered[..., 1:] == ordered[..., :-1]).any(-1)
+        if bool(twice.any()):
+            token, layer = twice.nonzero()[0].tolist()
+            raise RoutesInvalid(f"sequence {i}: token {token}, MoE layer {layer} names an expert twice "
+                                f"({routes[token, layer].tolist()}): a token's top {topk} experts are distinct")
+
+
 def routers_of(model) -> list:
     """The stage's MoE routers (megatron-core TopKRouter modules), in layer order."""
     from megatron.core.transformer.moe.router import TopKRouter
@@ -52,7 +84,12 @@ class RouteReplayer:
         # a router's layer_number counts from 1 over the whole pipeline; its MoE layer index counts the sparse ones
         self.layers = [sum(config.moe_layer_freq[: r.layer_number - 1]) for r in self.routers]
         self.topk = config.moe_router_topk
+        self.moe_layers, self.experts = sum(config.moe_layer_freq), config.num_moe_experts
         self.tp = config.tensor_model_parallel_size if config.sequence_parallel else 1
+
+    def check(self, sequences) -> None:
+        """The pass's sequences' routes fit this model (check_routes)."""
+        check_routes(sequences, self.moe_layers, self.topk, self.experts)
 
     def begin(self) -> None:
         """Before a pass over micro-batches (a recompute, a training step): empty every router's queue."""

@@ -174,6 +174,9 @@ class PolicyTrainer:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         check_sequences([s.sequence for s in samples], self.spec.max_position_embeddings)
+        replayer = route_replayer(self.module)
+        if replayer is not None:
+            replayer.check([s.sequence for s in samples])
         mbs = model_micro_batches(self.module.config, [s.sequence for s in samples], self.max_tokens, self.device,
                                   self.packed)
         dev = self.device
@@ -183,8 +186,6 @@ class PolicyTrainer:
         weighted = samples[0].loss_weight is not None
         if any((s.loss_weight is not None) != weighted for s in samples):
             raise ValueError("RolloutSample.loss_weight: give it for every sample of a step or for none")
-
-        replayer = route_replayer(self.module)
         cp_rank = parallel_state.get_context_parallel_rank()
 
         def forward_step(data_iterator, model):
