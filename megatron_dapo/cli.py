@@ -7,7 +7,7 @@ import logging
 import sys
 
 from megatron_dapo.errors import DapoError
-from megatron_dapo.observability.run_logging import setup_run_logging
+from megatron_dapo.observability.run_logging import FILE_ONLY, setup_run_logging
 
 log = logging.getLogger("megatron_dapo.cli")  # not __name__: "__main__" under python -m would not count as ours
 # What the commands print as one line: the package's own errors, which name what is wrong and the fix, and the
@@ -102,8 +102,6 @@ def main(argv: list[str] | None = None) -> int:
 def _explain(command: str, error: BaseException, log_file, rank: int) -> int:
     """An error whose message says it all, as one line on the console; its traceback in the run's log (and on the
     console with --verbose). Returns the exit code."""
-    from megatron_dapo.observability.run_logging import FILE_ONLY
-
     log.error("%s failed", command, exc_info=error, extra=FILE_ONLY)
     where = f"[rank {rank}] " if rank else ""
     print(f"{where}megatron-dapo {command}: {type(error).__name__}: {error} (traceback: {log_file})", file=sys.stderr,
