@@ -15,6 +15,9 @@ from megatron_dapo.parallel.rank_heartbeat import PEER_FAILED_EXIT_CODE, STUCK_E
 from megatron_dapo.parallel.runtime import free_port
 
 WORKER = Path(__file__).parent / "distributed" / "heartbeat_worker.py"
+# A hang guard, not a timing: the ranks' collectives wait 900 s (heartbeat_worker.py), their heartbeats 2 s; a
+# shared 2-core machine may take a minute to start two processes that import torch (CI's did).
+HUNG_AFTER_S = 300
 
 
 def start(*args: str) -> list[subprocess.Popen]:
@@ -22,6 +25,16 @@ def start(*args: str) -> list[subprocess.Popen]:
     return [subprocess.Popen([sys.executable, str(WORKER), *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                              text=True, env={**os.environ, "RANK": str(r), "WORLD_SIZE": "2",
                                              "MASTER_PORT": str(port)}) for r in range(2)]
+
+
+def wait(procs: list[subprocess.Popen], rank: int) -> int:
+    """Rank `rank`'s exit code; a failure showing what every rank said, if it is still running after HUNG_AFTER_S."""
+    try:
+        return procs[rank].wait(timeout=HUNG_AFTER_S)
+    except subprocess.TimeoutExpired:
+        end(procs)
+        said = "\n".join(f"rank {r}:\n{p.stdout.read()}" for r, p in enumerate(procs))
+        pytest.fail(f"rank {rank} still running after {HUNG_AFTER_S} s:\n{said}")
 
 
 def end(procs: list[subprocess.Popen]) -> None:
@@ -34,12 +47,12 @@ def end(procs: list[subprocess.Popen]) -> None:
 def test_a_stopped_rank_is_named_and_the_job_ends_within_the_heartbeat_timeout(stopped):
     """Rank 1 stopped: rank 0 names it (node, pid, what it was doing). Rank 0 stopped: the store lives in it, so
     rank 1 names the store. Either way the watching rank exits with STUCK_EXIT_CODE within the 2 s timeout and
-    a beat or two, while the collective it waits in would have waited 300 s."""
+    a beat or two, while the collective it waits in would have waited 900 s."""
     procs = start("stop", str(stopped))
     try:
         watcher = procs[1 - stopped]
         begin = time.monotonic()
-        assert watcher.wait(timeout=60) == STUCK_EXIT_CODE
+        assert wait(procs, 1 - stopped) == STUCK_EXIT_CODE
         took = time.monotonic() - begin
         out = watcher.stdout.read()
         if stopped == 1:
@@ -62,7 +75,7 @@ def test_a_rank_that_fails_says_why_and_the_other_ends_at_its_next_beat_naming_i
     procs = start("fail", "0")
     try:
         begin = time.monotonic()
-        assert procs[1].wait(timeout=60) == PEER_FAILED_EXIT_CODE
+        assert wait(procs, 1) == PEER_FAILED_EXIT_CODE
         took = time.monotonic() - begin
         out = procs[1].stdout.read()
         assert (f"rank 1: rank 0 (node node-a, pid {procs[0].pid}) failed: FileNotFoundError: train.jsonl: no such "
@@ -76,7 +89,7 @@ def test_ranks_that_end_raise_no_alarm():
     procs = start("finish")
     try:
         for r, p in enumerate(procs):
-            assert p.wait(timeout=60) == 0, p.stdout.read()
+            assert wait(procs, r) == 0, p.stdout.read()
             assert f"rank {r} done" in p.stdout.read()
     finally:
         end(procs)

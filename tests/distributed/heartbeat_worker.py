@@ -19,7 +19,7 @@ from megatron_dapo.parallel.rank_heartbeat import RankHeartbeat
 scenario = sys.argv[1]
 rank, world, port = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["MASTER_PORT"])
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                        timeout=timedelta(seconds=300))
+                        timeout=timedelta(seconds=900))
 heartbeat = RankHeartbeat(rank, world, "node-a", "127.0.0.1", port, 2.0)
 heartbeat.set_doing(f"scenario {scenario}")
 dist.barrier()
