@@ -235,7 +235,8 @@ class ModelConfig:
     # (megatron-core's bf16 optimizer over gloo).
     dtype: str = "auto"
     # A mixture of experts' load-balancing loss coefficient (megatron-core's aux loss per MoE layer, computed per
-    # micro-batch); null: the model's config.json's router_aux_loss_coef. 0 turns it off.
+    # micro-batch over the tokens it routes, averaged over them: policy/load_balancing.py); null: the model's
+    # config.json's router_aux_loss_coef. 0 turns it off.
     moe_aux_loss_coef: float | None = None
 
     def __post_init__(self):

@@ -6,7 +6,8 @@ rate. Normalisation is over the whole step: every micro-batch contributes its su
 count (loss tokens; responses with loss.aggregation "sample", whose tokens are weighted by 1 / their
 response's loss tokens), and megatron-core's per-token loss mode divides the gradients summed over
 micro-batches and data- (and context-) parallel ranks by the total count. So the gradient does not depend on how
-the step is split.
+the step is split. A mixture of experts' load-balancing loss is scaled to be independent of that count
+(policy/load_balancing.py).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from megatron_dapo.policy.forward import (
     route_replayer,
 )
 from megatron_dapo.policy.hf_config import ModelSpec
+from megatron_dapo.policy.load_balancing import loss_units, routed_tokens, step_coefficient, tracked_loss
 from megatron_dapo.policy.model import build_model
 
 
@@ -217,12 +219,14 @@ class PolicyTrainer:
             group["lr"] = lr
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        outputs = get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iter(mbs), model=[self.model], num_microbatches=len(mbs),
-            seq_length=max(mb.input_ids.shape[1] for mb in mbs), micro_batch_size=1, forward_only=False,
-        )
+        units = loss_units([s.loss_mask for s in samples], self.loss_cfg.aggregation)
+        with step_coefficient(self.module.config, units, routed_tokens(self.module.config, mbs), dev):
+            outputs = get_forward_backward_func()(
+                forward_step_func=forward_step, data_iterator=iter(mbs), model=[self.model], num_microbatches=len(mbs),
+                seq_length=max(mb.input_ids.shape[1] for mb in mbs), micro_batch_size=1, forward_only=False,
+            )
         result = self._reduce_metrics(outputs, lr, parallel_state)
-        result.load_balancing_loss = self._load_balancing_loss(len(mbs))
+        result.load_balancing_loss = tracked_loss(self.module.config, len(mbs), dev)
         self.step_count += 1
         if not self._finite(result.loss):  # every rank agrees: nothing is applied
             return dataclasses.replace(result, applied=False)
@@ -244,25 +248,6 @@ class PolicyTrainer:
             f"optimizer's update (lr {lr:g}) made the weights non-finite (NaN or inf) in {where}; the run stops "
             "before anything is checkpointed or sent to the servers from them (the latest checkpoint holds the last "
             "good weights). Lower optim.lr, check optim.adam_eps, and resume")
-
-    def _load_balancing_loss(self, micro_batches: int) -> float | None:
-        """The step's load-balancing loss from megatron-core's tracker (which its routers fill in training), reduced
-        over the pipeline, tensor and data-parallel ranks as megatron-core reduces it; then emptied for the next
-        step. Collective."""
-        config = self.module.config
-        if not config.num_moe_experts or not config.moe_aux_loss_coeff:
-            return None
-        from megatron.core.transformer.moe import moe_utils
-
-        name = "load_balancing_loss"
-        tracker = moe_utils.get_moe_layer_wise_logging_tracker()
-        # a stage without MoE layers has no entry, and still takes part in the sum over the pipeline
-        entry = tracker.setdefault(name, {"values": torch.zeros(config.num_layers, device=self.device)})
-        entry["values"] /= micro_batches  # each layer's sum over this rank's micro-batches -> their mean
-        moe_utils.reduce_aux_losses_tracker_across_ranks([name])
-        value = entry["values"].sum() / sum(config.moe_layer_freq)
-        moe_utils.clear_aux_losses_tracker()
-        return value.item()
 
     def _finite(self, loss: float) -> bool:
         """The step's loss (the same on every rank) and every rank's gradients are finite."""
