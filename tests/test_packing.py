@@ -101,6 +101,20 @@ def test_replayed_routes_stay_on_their_tokens_in_packs(models):
     assert max_diff(logprobs(models, "qwen3_moe", shifted, 1000, packed=True), padded) > 1e-3
 
 
+def test_after_a_forward_only_pass_the_routers_hold_no_routes(models):
+    """Issue 50, finding 5: every micro-batch's routes stayed in each router (int64, on the host) until the next
+    pass began, and a forward-only pass queued them for a backward that never comes: at the 30B config 10-35 GB a
+    rank. Now a pass without recompute queues nothing, and each pass ends with its routers emptied."""
+    from megatron_dapo.policy.routing_replay import routers_of
+
+    model, spec, _ = models["qwen3_moe"]
+    assert logprobs(models, "qwen3_moe", sequences(spec=spec), 62, packed=True)
+    replays = [r.router_replay for r in routers_of(model)]
+    assert len(replays) == sum(spec.moe_layers)
+    held = [(r.target_topk_idx is not None, len(r.replay_backward_list), r.router_replay_action) for r in replays]
+    assert held == [(False, 0, None)] * len(replays)
+
+
 def test_packs_fill_by_real_tokens_first_fit_decreasing():
     assert plan_micro_batches([30, 20, 10, 40], 60, packed=True) == [[1, 3], [0, 2]]
     assert plan_micro_batches([30, 20, 10, 40], 60) == [[3], [0, 1], [2]]  # padded: rows x the longest

@@ -127,10 +127,14 @@ def response_logprobs(model, sequences: list[Sequence], *, vocab_size: int, max_
             return model_forward(model, mb, device), partial(loss_func, mb)
         return replayer.before_forward(mb, recompute=False)(model_forward(model, mb, device)), partial(loss_func, mb)
 
-    outputs = get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=iter(mbs), model=[model], num_microbatches=len(mbs),
-        seq_length=max(mb.input_ids.shape[1] for mb in mbs), micro_batch_size=1, forward_only=True,
-    )
+    try:
+        outputs = get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter(mbs), model=[model], num_microbatches=len(mbs),
+            seq_length=max(mb.input_ids.shape[1] for mb in mbs), micro_batch_size=1, forward_only=True,
+        )
+    finally:
+        if replayer is not None:
+            replayer.end()
     if not is_last_stage():
         return None
     result: list = [None] * len(sequences)

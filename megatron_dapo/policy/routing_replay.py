@@ -86,6 +86,7 @@ class RouteReplayer:
         self.topk = config.moe_router_topk
         self.moe_layers, self.experts = sum(config.moe_layer_freq), config.num_moe_experts
         self.tp = config.tensor_model_parallel_size if config.sequence_parallel else 1
+        self.device = next(model.parameters()).device
 
     def check(self, sequences) -> None:
         """The pass's sequences' routes fit this model (check_routes)."""
@@ -93,17 +94,26 @@ class RouteReplayer:
 
     def begin(self) -> None:
         """Before a pass over micro-batches (a recompute, a training step): empty every router's queue."""
+        self.end()
+
+    def end(self) -> None:
+        """After a pass: the routers hold no routes (a pass's routes would stay until the next one: at the 30B
+        config, gigabytes a rank) and route by themselves until the next before_forward."""
         for r in self.routers:
             r.router_replay.clear_indices()
+            r.router_replay.clear_router_replay_action()
 
     def before_forward(self, mb: MicroBatch, recompute: bool):
         """Set each router to `mb`'s routes; returns what to call on the forward's output (a hook that switches the
-        routers to their queues when that micro-batch's backward starts, where its layers are recomputed)."""
+        routers to their queues when that micro-batch's backward starts, where its layers are recomputed). The
+        routes go to the device once for all the stage's routers (kept small, uint8 or int16, until there), and
+        are queued for the backward only where it recomputes the forward."""
         from megatron.core import parallel_state
         from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
         if not mb.sample_index:  # a filler: padding, routed to experts 0..k-1
-            routes = torch.arange(self.topk).expand(*mb.input_ids.shape, len(self.layers), self.topk)
+            routes = torch.arange(self.topk, dtype=torch.uint8).expand(*mb.input_ids.shape, len(self.layers),
+                                                                       self.topk)
         elif mb.routes is None:
             raise RoutesMissing(
                 f"sequence {mb.routes_missing[0]} has no routes, and routing replay is on: the rollout engine must "
@@ -116,9 +126,16 @@ class RouteReplayer:
             part = routes.shape[0] // self.tp
             rank = parallel_state.get_tensor_model_parallel_rank()
             routes = routes[rank * part:(rank + 1) * part]
-        routes = routes.reshape(-1, *routes.shape[2:]).long()
+        routes = routes.reshape(-1, *routes.shape[2:])
+        if self.device.type == "cuda":
+            routes = routes.pin_memory()
+        routes = routes.to(self.device, non_blocking=True).long()  # gather's index type, on the device only
         for i, r in enumerate(self.routers):
-            r.router_replay.set_target_indices(routes[:, i].contiguous())
+            mine = routes[:, i].contiguous()
+            if recompute:
+                r.router_replay.set_target_indices(mine)  # and queued for the recompute in the backward
+            else:
+                r.router_replay.target_topk_idx = mine
             r.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
 
         def on_output(output):
@@ -134,4 +151,3 @@ class RouteReplayer:
         for r in self.routers:
             r.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
         return grad
-

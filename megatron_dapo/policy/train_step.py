@@ -220,11 +220,16 @@ class PolicyTrainer:
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         units = loss_units([s.loss_mask for s in samples], self.loss_cfg.aggregation)
-        with step_coefficient(self.module.config, units, routed_tokens(self.module.config, mbs), dev):
-            outputs = get_forward_backward_func()(
-                forward_step_func=forward_step, data_iterator=iter(mbs), model=[self.model], num_microbatches=len(mbs),
-                seq_length=max(mb.input_ids.shape[1] for mb in mbs), micro_batch_size=1, forward_only=False,
-            )
+        try:
+            with step_coefficient(self.module.config, units, routed_tokens(self.module.config, mbs), dev):
+                outputs = get_forward_backward_func()(
+                    forward_step_func=forward_step, data_iterator=iter(mbs), model=[self.model],
+                    num_microbatches=len(mbs), seq_length=max(mb.input_ids.shape[1] for mb in mbs),
+                    micro_batch_size=1, forward_only=False,
+                )
+        finally:
+            if replayer is not None:
+                replayer.end()
         result = self._reduce_metrics(outputs, lr, parallel_state)
         result.load_balancing_loss = tracked_loss(self.module.config, len(mbs), dev)
         self.step_count += 1
