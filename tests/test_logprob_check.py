@@ -56,7 +56,7 @@ def test_one_process_check_samples_at_the_runs_temperature_and_recomputes_at_bot
 
     def recompute(responses, temperature):
         calls.append(temperature)
-        assert all(len(p) == 8 and o == [5, 6, 7] for p, o in responses)
+        assert all(len(p) == 8 and o == [5, 6, 7] and routes is None for p, o, routes in responses)
         return [[-0.1 * temperature] * 3 for _ in responses]
 
     engine = FakeEngine(lambda p: [-0.07] * 3)

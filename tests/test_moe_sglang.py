@@ -78,3 +78,44 @@ def test_an_expert_parallel_policy_syncs_into_the_server_through_every_route(ser
         assert s["after"] < 1e-4 and s["versions_after"] == ["1"] and s["samples_after"] == 16, (route, s)
         if route != "disk":  # every expert's tensors sent exactly once, whichever rank holds them
             assert s["bytes"] == buckets.model_bytes(spec, torch.float32), (route, s)
+
+
+def test_a_moe_with_routing_replay_starts_against_given_server_urls_and_trains_a_step(server, tmp_path):
+    """Issue 50, finding 3: with rollout.server_urls (as the SLURM launcher sets them) the start-up log-prob check
+    recomputed the servers' samples with the replaying policy but without routes, and every rank failed with
+    RoutesMissing. Now the check asks the servers for their routes and replays them. Last in this module: the run
+    syncs its step into the server."""
+    import os
+    import subprocess
+
+    import yaml
+    from transformers import AutoTokenizer
+
+    from megatron_dapo.data.prompt_file import write_rows
+    from megatron_dapo.data.synthetic_math import generate_rows
+    from megatron_dapo.demo.tiny_model import CHAT_TEMPLATE
+
+    srv, root = server
+    tok = AutoTokenizer.from_pretrained(root / "model")
+    tok.chat_template = CHAT_TEMPLATE  # the served weights are untouched
+    tok.save_pretrained(root / "model")
+    write_rows(tmp_path / "train.jsonl", generate_rows(16, 0, digits=1, operations="+", num_operands=2,
+                                                       style="short"))
+    out = tmp_path / "run"
+    cfg = {"model": {"path": str(root / "model"), "max_tokens_per_micro_batch": 1024, "moe_aux_loss_coef": 0.0},
+           "data": {"train_path": str(tmp_path / "train.jsonl"), "max_prompt_len": 48},
+           "parallel": {"device": "cpu"},
+           "rollout": {"engine": "sglang", "server_urls": [srv.url], "routing_replay": True, "weight_sync": "disk"},
+           "reward": {"num_workers": 1},
+           "algorithm": {"batch_size": 2, "group_size": 2, "dynamic_sampling": False, "oversample_factor": 1.0,
+                         "max_response_len": 8, "overlong_cache_len": 2},
+           "train": {"steps": 1, "updates_per_step": 1, "output_dir": str(out), "tensorboard": False},
+           "eval": {"every": 0}}
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    done = subprocess.run([sys.executable, "-m", "megatron_dapo.cli", "train", str(path)], capture_output=True,
+                          text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    log = (out / "train.log").read_text() if (out / "train.log").exists() else ""
+    assert done.returncode == 0, (done.stdout + done.stderr)[-6000:] + log[-4000:]
+    assert "rollout.server_urls: log-probs match the policy's" in log and "the servers' routes replayed" in log
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1]

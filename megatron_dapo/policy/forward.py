@@ -162,13 +162,16 @@ def to_every_stage(values: torch.Tensor | None, numel: int, device: torch.device
 
 def logprob_recomputer(model, *, vocab_size: int, max_positions: int, max_tokens_per_micro_batch: int,
                        device: torch.device, packed: bool = False):
-    """`recompute(responses, temperature)`: for (prompt_ids, output_ids) pairs, each response's token log-probs
-    under softmax(logits / temperature) as a list of floats, on every pipeline stage. Collective: every rank of
-    the model calls it with the same responses. The model runs in eval mode and is left in its own mode."""
+    """`recompute(responses, temperature)`: for (prompt_ids, output_ids, routes) triples, each response's token
+    log-probs under softmax(logits / temperature) as a list of floats, on every pipeline stage; `routes` (the
+    engine's, [positions, MoE layers, top_k], or None) are replayed by a model built with routing replay.
+    Collective: every rank of the model calls it with the same responses. The model runs in eval mode and is left in
+    its own mode."""
 
-    def recompute(responses: list[tuple[list[int], list[int]]], temperature: float) -> list[list[float]]:
-        seqs = [Sequence(torch.tensor(list(p) + list(o), dtype=torch.long), len(p)) for p, o in responses]
-        lengths = [len(o) for _, o in responses]
+    def recompute(responses: list[tuple[list[int], list[int], object]], temperature: float) -> list[list[float]]:
+        seqs = [Sequence(torch.tensor(list(p) + list(o), dtype=torch.long), len(p),
+                         None if r is None else torch.as_tensor(r)) for p, o, r in responses]
+        lengths = [len(o) for _, o, _ in responses]
         was_training = model.training
         model.eval()
         try:

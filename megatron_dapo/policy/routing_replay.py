@@ -18,14 +18,15 @@ from __future__ import annotations
 
 import torch
 
+from megatron_dapo.errors import DapoError
 from megatron_dapo.policy.batch import MicroBatch
 
 
-class RoutesMissing(ValueError):
+class RoutesMissing(DapoError, ValueError):
     """Routing replay is on and a sequence came without its routes."""
 
 
-class RoutesInvalid(ValueError):
+class RoutesInvalid(DapoError, ValueError):
     """A sequence's routes do not fit the model: another shape, an id past its experts, an expert named twice."""
 
 

@@ -27,8 +27,9 @@ from megatron_dapo.rollout.engine import SamplingParams
 
 log = logging.getLogger(__name__)
 
-# (prompt_ids, output_ids) pairs, temperature -> each response's token log-probs, on global rank 0 (collective).
-Recompute = Callable[[list[tuple[list[int], list[int]]], float], list[list[float]]]
+# (prompt_ids, output_ids, routes or None) triples, temperature -> each response's token log-probs, on global rank
+# 0 (collective); routes: the engine's [positions, MoE layers, top_k], which a policy with routing replay replays.
+Recompute = Callable[[list[tuple[list[int], list[int], object]], float], list[list[float]]]
 
 # Mean |engine - recomputation| per token up to which two sets of log-probs count as equal: far above fp32
 # noise (1e-6) and above bf16 SGLang-vs-Megatron noise (about 1e-2). Near temperature 1 the tempered and the
@@ -93,17 +94,17 @@ def check_engine_logprobs(engine, recompute: Recompute, *, temperature: float,
         try:
             params = SamplingParams(temperature=temperature, top_p=1.0, max_new_tokens=max_new_tokens, seed=seed)
             groups = engine.generate(prompts, n, params)
-            payload = ("ok", [(list(prompts[s.prompt_index]), list(s.output_ids), list(s.logprobs))
+            payload = ("ok", [(list(prompts[s.prompt_index]), list(s.output_ids), list(s.logprobs), s.routes)
                               for g in groups for s in g])
         except Exception as e:  # noqa: BLE001 - every rank must hear of it, not wait for samples forever
             payload = ("error", f"rollout.server_urls: sampling for the log-prob check failed: {type(e).__name__}: {e}")
     status, body = driver_value(payload) if distributed else payload
     if status == "error":
         raise ConfigError(body)
-    responses = [(p, o) for p, o, _ in body]
+    responses = [(p, o, routes) for p, o, _, routes in body]
     tempered = recompute(responses, temperature)
     untempered = tempered if temperature == 1.0 else recompute(responses, 1.0)
-    verdict = judge([lp for _, _, lp in body], tempered, untempered, temperature, atol) if driver else None
+    verdict = judge([lp for _, _, lp, _ in body], tempered, untempered, temperature, atol) if driver else None
     agreement, reason = driver_value(verdict) if distributed else verdict
     if reason is not None:
         raise ConfigError(reason)
@@ -113,15 +114,19 @@ def check_engine_logprobs(engine, recompute: Recompute, *, temperature: float,
 def check_servers(urls: list[str], model, spec, *, temperature: float, max_tokens_per_micro_batch: int,
                   device, packed: bool = False) -> None:
     """Every trainer rank: the servers given by URL (rollout.server_urls) against the policy `model` (its stage on
-    this rank); a ConfigError on every rank if they do not return its log-probs at `temperature`."""
+    this rank); a ConfigError on every rank if they do not return its log-probs at `temperature`. A policy built
+    with routing replay recomputes with the routes the servers return for the samples (it routes by nothing else)."""
     from megatron_dapo.policy.forward import logprob_recomputer
+    from megatron_dapo.rollout.routes import RouteLayout
     from megatron_dapo.rollout.sglang_engine import SGLangEngine
 
     recompute = logprob_recomputer(model, vocab_size=spec.vocab_size, max_positions=spec.max_position_embeddings,
                                    max_tokens_per_micro_batch=max_tokens_per_micro_batch, device=device,
                                    packed=packed)
+    replay = bool(getattr(model.config, "moe_enable_routing_replay", False))
     driver = dist.get_rank() == 0
-    engine = SGLangEngine(list(urls), max_server_restarts=0) if driver else None
+    engine = SGLangEngine(list(urls), max_server_restarts=0, routes=RouteLayout.of(spec) if replay else None) \
+        if driver else None
     try:
         a = check_engine_logprobs(engine, recompute, temperature=temperature)
     finally:
@@ -129,4 +134,5 @@ def check_servers(urls: list[str], model, spec, *, temperature: float, max_token
             engine.close()
     if driver:
         log.info("rollout.server_urls: log-probs match the policy's at temperature %g (mean |diff| %.2g over %d "
-                 "tokens; %.2g at temperature 1)", a.temperature, a.diff_tempered, a.tokens, a.diff_untempered)
+                 "tokens; %.2g at temperature 1)%s", a.temperature, a.diff_tempered, a.tokens, a.diff_untempered,
+                 ", the servers' routes replayed (rollout.routing_replay)" if replay else "")
