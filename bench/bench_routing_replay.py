@@ -3,13 +3,18 @@ the trainer recomputes the log-probs of those samples and takes a training step,
 and on (the engine's routes), side by side in one run. In bf16 and the device-faithful mode by default, as the suite
 runs; what it prints:
 
-- routes differ: the fraction of response tokens whose experts differ from the engine's in at least one MoE layer;
+- routes differ: the fraction of response tokens where the trainer's routers, by their own scores, would choose
+  other experts than the engine recorded, in at least one MoE layer (with replay the routers take the engine's
+  routes, but their own choice is still measured: what they were told is no reference for itself);
 - |log ratio|: the mean |log pi_trainer - log pi_engine| over response tokens;
 - step s: one training step (recompute excluded), the median of --steps;
 - and the ratios on / off.
 
     python bench/bench_routing_replay.py [--prompts 16] [--group 4] [--max-new-tokens 48] [--experts 8] [--topk 2]
-                                         [--layers 4] [--steps 3] [--dtype bfloat16] [--plain]
+                                         [--layers 4] [--steps 3] [--dtype bfloat16] [--plain] [--shift 0]
+
+--shift N: a control, the engine's recorded routes N tokens late (as an engine or a layout that misaligns them would
+give), replayed and compared as they are: a comparison of the replayed routes with the record would still read 0.
 """
 
 from __future__ import annotations
@@ -42,19 +47,24 @@ def tiny_moe(folder: Path, experts: int, topk: int, layers: int, seed: int = 0) 
 
 
 def routes_of(model, seq, spec, kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log-probs of the response, the experts the model's routers chose at every position) for one sequence."""
+    """(log-probs of the response, the experts the model's routers would choose by their own scores at every
+    position, replayed or not) for one sequence."""
     from megatron_dapo.policy.forward import response_logprobs
     from megatron_dapo.policy.routing_replay import routers_of
 
-    maps = []
-    hooks = [r.register_forward_hook(lambda _, __, out: maps.append(out[1])) for r in routers_of(model)]
+    own = []
+
+    def choice(router, args, _):
+        logits = router.gating(args[0]).reshape(-1, spec.num_experts)
+        own.append(logits.topk(spec.moe_topk).indices.sort().values)
+
+    hooks = [r.register_forward_hook(choice) for r in routers_of(model)]
     try:
         [(logp, _)] = response_logprobs(model, [seq], **kwargs)
     finally:
         for h in hooks:
             h.remove()
-    chosen = torch.stack([m.to(torch.int8).topk(spec.moe_topk).indices.sort().values for m in maps], 1)
-    return logp.double().cpu(), chosen.cpu()
+    return logp.double().cpu(), torch.stack(own, 1).cpu()
 
 
 def measure(args) -> list[tuple[str, float, float, float]]:
@@ -87,6 +97,7 @@ def measure(args) -> list[tuple[str, float, float, float]]:
                    for n in torch.randint(4, 24, (args.prompts,), generator=g)]
         groups = engine.generate(prompts, args.group, SamplingParams(max_new_tokens=args.max_new_tokens))
         samples = [s for grp in groups for s in grp]
+        recorded = [torch.from_numpy(s.routes).long().roll(args.shift, 0) for s in samples]
         engine_logp = [torch.tensor(s.logprobs, dtype=torch.float64) for s in samples]
         kwargs = dict(vocab_size=spec.vocab_size, max_positions=spec.max_position_embeddings,
                       max_tokens_per_micro_batch=4096, device=runtime.device)
@@ -98,14 +109,14 @@ def measure(args) -> list[tuple[str, float, float, float]]:
             load_policy_weights(trainer, ckpt.get)
             model = trainer.module.eval()
             seqs = [Sequence(torch.tensor(prompts[s.prompt_index] + s.output_ids), len(prompts[s.prompt_index]),
-                             torch.from_numpy(s.routes) if replay else None) for s in samples]
+                             r if replay else None) for s, r in zip(samples, recorded)]
             differ = tokens = 0
             abs_log_ratio = 0.0
-            for seq, s, elp in zip(seqs, samples, engine_logp):
+            for seq, s, r, elp in zip(seqs, samples, recorded, engine_logp):
                 logp, chosen = routes_of(model, seq, spec, kwargs)
                 p = seq.prompt_len
-                mine, theirs = chosen[p - 1: p - 1 + s.routes.shape[0] - p + 1], \
-                    torch.from_numpy(s.routes[p - 1:]).long()  # positions that predict the response's tokens
+                # the positions that predict the response's tokens, against what the engine recorded there
+                mine, theirs = chosen[p - 1: r.shape[0]], r[p - 1:].sort().values
                 differ += int((mine != theirs).flatten(1).any(1).sum())
                 tokens += len(s.output_ids)
                 abs_log_ratio += float((logp - elp).abs().sum())
@@ -137,12 +148,14 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--plain", action="store_true", help="plain CPU mode, not device-faithful")
+    parser.add_argument("--shift", type=int, default=0, help="a control: the engine's recorded routes this many tokens late")
     args = parser.parse_args(argv)
     if not args.plain:  # before the runtime starts: the suite's mode
         os.environ.setdefault("MEGATRON_DAPO_DEVICE_FAITHFUL", "1")
     rows = measure(args)
     print(f"tiny Qwen3-MoE: {args.layers} layers, {args.experts} experts, top {args.topk}, {args.dtype}; "
-          f"{args.prompts} prompts x {args.group} responses of up to {args.max_new_tokens} tokens")
+          f"{args.prompts} prompts x {args.group} responses of up to {args.max_new_tokens} tokens"
+          + (f"; the engine's routes recorded {args.shift} token(s) late" if args.shift else ""))
     print(f"{'replay':<8}{'routes differ':>15}{'|log ratio|':>14}{'step s':>10}")
     for name, differ, ratio, step in rows:
         print(f"{name:<8}{differ:>15.4f}{ratio:>14.2e}{step:>10.3f}")
