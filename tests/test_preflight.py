@@ -10,7 +10,7 @@ from megatron_dapo.cli import main
 from megatron_dapo.config import ConfigError
 from megatron_dapo.demo.tiny_model import make_tiny_model
 from megatron_dapo.preflight import Hardware, preflight
-from megatron_dapo.preflight.estimate import model_architecture, model_parameters, stage_parameters
+from megatron_dapo.preflight.estimate import model_architecture, model_parameters, stage_parameters, trainer_layout
 from megatron_dapo.rollout.from_config import sglang_engine
 from megatron_dapo.run_config import config_from_dict, load_config
 
@@ -110,6 +110,25 @@ def test_a_mixture_of_experts_counts_its_experts_per_expert_parallel_rank(tmp_pa
     text = preflight(load_config(CONFIGS / "tiny-cpu.yaml", [f"model.path={tmp_path}", "rollout.routing_replay=true",
                                                              "parallel.expert_parallel=1"])).render()
     assert "experts   8 per MoE layer (4 of 4), top 2: 8 per rank" in text and "routes    a batch's routes" in text
+    assert "per trainer rank: " in text
+
+
+def test_the_30b_moe_configs_route_memory_is_counted_per_trainer_rank():
+    """Issue 50, finding 5: each rank's share of the batch's routes (uint8 on the host) and a micro-batch's int64 ids
+    on the GPU; the routers held every micro-batch's int64 routes on the host before (10-35 GB a rank)."""
+    from megatron_dapo.preflight.estimate import rank_route_bytes
+
+    cfg = load_config(CONFIGS / "qwen3-30b-a3b-dapo.yaml")
+    spec, _ = model_architecture(cfg.model.path)
+    layout = trainer_layout(cfg, spec, None)
+    host, gpu = rank_route_bytes(cfg, spec, layout)
+    a, m = cfg.algorithm, cfg.model
+    longest = cfg.data.max_prompt_len + a.max_response_len
+    assert host == a.batch_size * a.group_size // layout.data_parallel * longest * 48 * 8  # uint8: 128 experts
+    assert gpu == m.max_tokens_per_micro_batch / cfg.parallel.tensor_parallel * 48 * 8 * 8  # TP2 + SP, PP1
+    text = preflight(cfg).render()
+    assert f"per trainer rank: {host / 1e9:.1f} GB on the host (its share of the batch), {gpu / 1e6:.1f} MB on the GPU" \
+        in text
 
 
 def test_memory_over_the_gpu_is_a_warning_and_colocated_parts_add_up():

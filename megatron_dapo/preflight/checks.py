@@ -17,12 +17,14 @@ from megatron_dapo.preflight.estimate import (
     DISK_BYTES_PER_S,
     GB,
     Hardware,
+    Layout,
     ServerEstimate,
     SoloWait,
     TrainerMemory,
     longest_sequence,
     model_architecture,
     model_parameters,
+    rank_route_bytes,
     server_estimate,
     solo_waits,
     trainer_layout,
@@ -88,14 +90,27 @@ def preflight(cfg: DapoConfig, hardware: Hardware = Hardware(), files: bool = Fa
         *_memory_table(cfg, stages, server, hardware, recomputed),
         "",
         *_rollout_lines(cfg, server),
-        *([f"routes    a batch's routes on the driver (rollout.routing_replay): {_size(route_bytes(cfg, spec))} of "
-           "host memory, worst case"] if route_bytes(cfg, spec) else []),
+        *_route_lines(cfg, spec, layout),
         "solo wait " + "; ".join(f"{w.cause}: {_size(w.nbytes)} at {DISK_BYTES_PER_S / GB:g} GB/s = {w.seconds:.0f} s"
                                  for w in waits),
     ])
     checks = [*_sequence_checks(cfg, spec), *_timeout_checks(cfg, spec, server, waits),
               *(_file_checks(cfg) if files else [])]
     return Report(text, checks)
+
+
+def _route_lines(cfg: DapoConfig, spec: ModelSpec, layout: Layout) -> list[str]:
+    """Routing replay's memory: the driver's batch, and each trainer rank's share (rank_route_bytes)."""
+    if not route_bytes(cfg, spec):
+        return []
+    host, gpu = rank_route_bytes(cfg, spec, layout)
+    where = "GPU" if cfg.parallel.device == "cuda" else "device"
+    return [f"routes    a batch's routes on the driver (rollout.routing_replay): {_size(route_bytes(cfg, spec))} of "
+            "host memory, worst case",
+            f"          per trainer rank: {_size(host)} on the host (its share of the batch), {_size(gpu)} on the "
+            f"{where} (a micro-batch's int64 ids for its stage's MoE layers"
+            + (f", x PP{cfg.parallel.pipeline_parallel} queued for recomputes)" if
+               cfg.model.activation_recompute == "full" and cfg.parallel.pipeline_parallel > 1 else ")")]
 
 
 def _size(nbytes: float) -> str:

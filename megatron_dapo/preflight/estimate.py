@@ -37,7 +37,10 @@ max_tokens_per_micro_batch / CP tokens, and each layer also keeps the keys and v
 ranks, dtype bytes x 2 kv/TP x (CP - 1)/CP per token of the micro-batch; the distributed optimizer divides the
 state over DP x CP (an expert's over TP x CP x DP / EP).
 Routing replay: the driver holds a batch's routes, every response of the groups drawn at the longest sequence x
-MoE layers x top k ids of samples.route_dtype (uint8 up to 256 experts).
+MoE layers x top k ids of samples.route_dtype (uint8 up to 256 experts). Each trainer rank holds its share of the
+trained batch's (batch_size x G / DP responses) on the host in that dtype, and on the GPU a micro-batch's as int64
+ids (its tokens / TP with SP / CP x its stage's MoE layers x top k x 8 bytes), PP micro-batches' of them with
+activation recompute (each queued until its backward recomputes the forward).
 
 SGLang server, per GPU (TP = rollout.server_tensor_parallel):
   weights  all parameters x B / TP, B the bytes of model.dtype (2 in bf16, 4 in fp32): servers serve at it
@@ -286,6 +289,23 @@ def route_bytes(cfg: DapoConfig, spec: ModelSpec) -> float:
     responses = math.ceil(g.batch_size * g.oversample_factor) * g.group_size
     return responses * longest_sequence(cfg) * sum(spec.moe_layers) * spec.moe_topk * \
         route_dtype(spec.num_experts).itemsize
+
+
+def rank_route_bytes(cfg: DapoConfig, spec: ModelSpec, layout: Layout) -> tuple[float, float]:
+    """(host, GPU) bytes of routes on one trainer rank (rollout.routing_replay; see the module's note), worst case:
+    every sequence at the longest, the stage with the most MoE layers."""
+    if not (spec.is_moe and cfg.rollout.routing_replay):
+        return 0.0, 0.0
+    p, g = cfg.parallel, cfg.algorithm
+    k = spec.moe_topk
+    responses = math.ceil(g.batch_size * g.group_size / layout.data_parallel)
+    host = responses * longest_sequence(cfg) * sum(spec.moe_layers) * k * route_dtype(spec.num_experts).itemsize
+    per_stage = spec.num_layers // p.pipeline_parallel
+    stage_moe = max(sum(spec.moe_layers[s * per_stage:(s + 1) * per_stage]) for s in range(p.pipeline_parallel))
+    tokens = cfg.model.max_tokens_per_micro_batch / (p.tensor_parallel if p.sequence_parallel else 1) / \
+        p.context_parallel
+    queued = p.pipeline_parallel if cfg.model.activation_recompute == "full" else 1
+    return host, tokens * stage_moe * k * 8 * queued
 
 
 @dataclass(frozen=True)
