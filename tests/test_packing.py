@@ -115,6 +115,33 @@ def test_after_a_forward_only_pass_the_routers_hold_no_routes(models):
     assert held == [(False, 0, None)] * len(replays)
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_padding_is_routed_round_robin_over_the_experts(models, packed):
+    """Issue 50, finding 5: padding positions (and filler micro-batches) were all routed to experts 0..k-1, so they
+    all landed on the first expert-parallel rank; now k distinct experts each, round robin over all of them. The
+    sequences' own positions keep their routes."""
+    from megatron_dapo.policy.batch import make_micro_batch
+    from megatron_dapo.policy.routing_replay import RouteReplayer
+
+    model, spec, _ = models["qwen3_moe"]
+    seqs = sequences(spec=spec)
+    replayer = RouteReplayer(model)
+    try:
+        for mb in [*micro_batches(seqs, 1000, packed=packed), make_micro_batch(seqs, [], 8)]:  # blocks; a filler
+            replayer.before_forward(mb, recompute=False)
+            target = replayer.routers[0].router_replay.target_topk_idx.cpu()  # [length x rows, k], sequence-major
+            fill = mb.route_fill if mb.sample_index else torch.ones(mb.input_ids.shape, dtype=torch.bool)
+            fill = fill.transpose(0, 1).reshape(-1)
+            padding = target[fill]
+            assert set(padding.flatten().tolist()) == set(range(spec.num_experts))
+            assert (padding.sort(-1).values.diff(dim=-1) > 0).all()  # k distinct experts a position
+            if mb.sample_index:
+                own = mb.routes[:, :, replayer.layers[0]].transpose(0, 1).reshape(-1, spec.moe_topk)
+                assert fill.sum() > 0 and torch.equal(target[~fill], own[~fill].long())
+    finally:
+        replayer.end()
+
+
 def test_packs_fill_by_real_tokens_first_fit_decreasing():
     assert plan_micro_batches([30, 20, 10, 40], 60, packed=True) == [[1, 3], [0, 2]]
     assert plan_micro_batches([30, 20, 10, 40], 60) == [[3], [0, 1], [2]]  # padded: rows x the longest

@@ -43,8 +43,8 @@ class MicroBatch:
     response_positions: torch.Tensor  # flat positions in [rows * length] whose logits predict response tokens
     sample_index: list[int]  # which input sequence each row is
     response_lens: list[int]
-    # [rows, length, MoE layers, top_k] when every row has routes (padding routed to experts 0..k-1); else None, and
-    # the sequences without them are named here
+    # [rows, length, MoE layers, top_k] when every row has routes; else None, and the sequences without them are
+    # named here (route_fill: below)
     routes: torch.Tensor | None = None
     routes_missing: list[int] | None = None
     # Packed (one row): the offsets where each sequence starts and the row's end, [sequences + 1] (a padding tail,
@@ -55,6 +55,9 @@ class MicroBatch:
     # positions counted from each row's or sequence's start.
     response_order: torch.Tensor | None = None
     position_ids: torch.Tensor | None = None
+    # With routes: [rows, length] True where no sequence's routes are (padding, a sequence's last token), which the
+    # replayer spreads over the experts
+    route_fill: torch.Tensor | None = None
 
     @property
     def num_response_tokens(self) -> int:
@@ -167,16 +170,14 @@ def make_packed_micro_batch(sequences: list[Sequence], index: list[int], length_
         targets[a:a + n - 1] = s.tokens[1:]  # each sequence's last position predicts nothing of it
         positions.append(torch.arange(a + s.prompt_len - 1, a + n - 1))
     missing = [i for i, s in zip(index, rows) if s.routes is None]
-    # One row of routes: the rows a sequence's routes leave out (its last token's, its padding) are filler rows
-    # (experts 0..k-1: what those positions compute reaches no loss, and no later sequence: attention stays within
-    # each)
-    routes = None
+    # One row of routes: the positions a sequence's routes leave out (its last token's, its padding) are filled
+    # (what those positions compute reaches no loss, and no later sequence: attention stays within each)
+    routes = fill = None
     if rows and not missing:
-        routes = _routes([torch.cat([_routes([s.routes], b - a)[0] for s, a, b in zip(rows, starts, starts[1:])])],
-                         total)
+        routes, fill = _routes([s.routes for s in rows], total, starts)
     return MicroBatch(input_ids.unsqueeze(0), targets,
                       torch.cat(positions) if positions else torch.zeros(0, dtype=torch.long), list(index),
-                      [s.response_len for s in rows], routes, missing, cu)
+                      [s.response_len for s in rows], routes, missing, cu, route_fill=fill)
 
 
 def make_micro_batch(sequences: list[Sequence], index: list[int], length_multiple: int = 1) -> MicroBatch:
@@ -196,20 +197,25 @@ def make_micro_batch(sequences: list[Sequence], index: list[int], length_multipl
         # The logits at position p predict token p + 1: response tokens [prompt_len, n) come from [prompt_len - 1, n - 1).
         positions.append(torch.arange(s.prompt_len - 1, n - 1) + r * length)
     missing = [i for i, s in zip(index, rows) if s.routes is None]
-    routes = _routes([s.routes for s in rows], length) if not missing else None
+    routes = fill = None
+    if not missing:
+        routes, fill = (t.reshape(len(rows), length, *t.shape[2:]) for t in
+                        _routes([s.routes for s in rows], len(rows) * length, [r * length for r in range(len(rows))]))
     return MicroBatch(input_ids, targets.reshape(-1), torch.cat(positions), list(index),
-                      [s.response_len for s in rows], routes, missing)
+                      [s.response_len for s in rows], routes, missing, route_fill=fill)
 
 
-def _routes(per_row: list[torch.Tensor], length: int) -> torch.Tensor:
-    """[rows, length, MoE layers, k] from each row's [tokens, MoE layers, k]; padding goes to experts 0..k-1 (what a
-    padding position computes reaches no loss, and no other position: causal attention)."""
-    first = per_row[0]
-    out = torch.arange(first.shape[-1], dtype=first.dtype).expand(len(per_row), length, *first.shape[1:]).clone()
-    for row, r in enumerate(per_row):
-        if r.shape[0]:
-            out[row, : r.shape[0]] = r
-    return out
+def _routes(per_sequence: list[torch.Tensor], total: int, starts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One row's routes [1, total, MoE layers, k] from each sequence's [tokens, MoE layers, k] placed at its start,
+    in their dtype (uint8 or int16), and [1, total] True where no sequence's routes are (padding: what it computes
+    reaches no loss, and no other position: causal attention)."""
+    first = per_sequence[0]
+    out = torch.zeros(total, *first.shape[1:], dtype=first.dtype)
+    fill = torch.ones(total, dtype=torch.bool)
+    for r, a in zip(per_sequence, starts):
+        out[a:a + r.shape[0]] = r
+        fill[a:a + r.shape[0]] = False
+    return out.unsqueeze(0), fill.unsqueeze(0)
 
 
 def micro_batches(sequences: list[Sequence], max_tokens: int, length_multiple: int = 1,

@@ -56,15 +56,16 @@ def split_micro_batch(mb: MicroBatch, cp_size: int, cp_rank: int) -> MicroBatch:
     local[keep] = torch.arange(keep.numel())
     at = local[mb.response_positions]
     mine = at >= 0
-    routes = None
+    routes = fill = None
     if mb.routes is not None:
         routes = mb.routes.reshape(-1, *mb.routes.shape[2:])[keep].reshape(rows, -1, *mb.routes.shape[2:])
+        fill = mb.route_fill.reshape(-1)[keep].reshape(rows, -1)
     # each kept position less its sequence's start; a sequence keeps 1 / cp_size of its tokens
     starts = torch.tensor([a for a, _ in segments])
     position_ids = keep - starts.repeat_interleave(torch.tensor([b - a for a, b in segments]) // cp_size)
     return replace(mb, input_ids=mb.input_ids.reshape(-1)[keep].reshape(rows, -1), targets=mb.targets[keep],
                    response_positions=at[mine], response_order=torch.arange(at.numel())[mine], routes=routes,
-                   position_ids=position_ids.reshape(rows, -1))
+                   route_fill=fill, position_ids=position_ids.reshape(rows, -1))
 
 
 @dataclass(frozen=True)

@@ -112,25 +112,26 @@ class RouteReplayer:
         from megatron.core import parallel_state
         from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
-        if not mb.sample_index:  # a filler: padding, routed to experts 0..k-1
-            routes = torch.arange(self.topk, dtype=torch.uint8).expand(*mb.input_ids.shape, len(self.layers),
-                                                                       self.topk)
+        if not mb.sample_index:  # a filler micro-batch: all padding
+            routes = torch.zeros(*mb.input_ids.shape, len(self.layers), self.topk, dtype=torch.uint8)
+            fill = torch.ones(mb.input_ids.shape, dtype=torch.bool)
         elif mb.routes is None:
             raise RoutesMissing(
                 f"sequence {mb.routes_missing[0]} has no routes, and routing replay is on: the rollout engine must "
                 "return the experts it chose for every token (SGLang: --enable-return-routed-experts); replay never "
                 "falls back to the trainer's own routing")
         else:
-            routes = mb.routes[:, :, self.layers]  # [rows, length, my layers, k]
-        routes = routes.transpose(0, 1)  # the routers' order: [length, rows]
+            routes, fill = mb.routes[:, :, self.layers], mb.route_fill  # [rows, length, my layers, k], [rows, length]
+        routes, fill = routes.transpose(0, 1), fill.transpose(0, 1)  # the routers' order: [length, rows]
         if self.tp > 1:  # sequence parallelism: this rank's slice of the length
             part = routes.shape[0] // self.tp
             rank = parallel_state.get_tensor_model_parallel_rank()
-            routes = routes[rank * part:(rank + 1) * part]
-        routes = routes.reshape(-1, *routes.shape[2:])
+            routes, fill = routes[rank * part:(rank + 1) * part], fill[rank * part:(rank + 1) * part]
+        routes, fill = routes.reshape(-1, *routes.shape[2:]), fill.reshape(-1)
         if self.device.type == "cuda":
-            routes = routes.pin_memory()
+            routes, fill = routes.pin_memory(), fill.pin_memory()
         routes = routes.to(self.device, non_blocking=True).long()  # gather's index type, on the device only
+        routes = self._spread(routes, fill.to(self.device, non_blocking=True))
         for i, r in enumerate(self.routers):
             mine = routes[:, i].contiguous()
             if recompute:
@@ -145,6 +146,13 @@ class RouteReplayer:
             return output
 
         return on_output
+
+    def _spread(self, routes: torch.Tensor, fill: torch.Tensor) -> torch.Tensor:
+        """`routes` [tokens, layers, k] with the `fill` positions (padding) routed round-robin over the experts, k
+        distinct ones each: all on experts 0..k-1, they would all land on one expert-parallel rank."""
+        tokens = torch.arange(routes.shape[0], device=routes.device)
+        spread = (tokens[:, None] * self.topk + torch.arange(self.topk, device=routes.device)) % self.experts
+        return torch.where(fill[:, None, None], spread[:, None, :], routes)
 
     def _to_queues(self, grad):
         from megatron.core.transformer.moe.router_replay import RouterReplayAction
