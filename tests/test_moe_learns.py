@@ -34,6 +34,9 @@ def test_a_moe_policy_with_routing_replay_learns(warm_moe, tmp_path, monkeypatch
     print(f"MoE + routing replay: held-out avg@4 {before:.3f} -> {after:.3f} in {len(rows)} steps; "
           f"sampled accuracy {[round(a, 2) for a in accuracy]}")
     assert len(rows) == STEPS and all(r["groups_kept"] >= 1 for r in rows)
+    # each MoE layer's expert load (busiest / mean expert), whatever the aux coefficient (0 here)
+    assert all(1 <= r["moe/expert_load/max"] <= 8 and len([k for k in r if k.startswith("moe/expert_load_by_layer/")])
+               == 4 for r in rows)
     # The held-out reward (512 samples) rises: measured +0.14 and +0.135 in 20 steps (the demo's 40: +0.23 to +0.28).
     assert after >= before + 0.05
     # ... and so does the sampled one, noisier (each step draws new prompts): +0.035 measured.

@@ -250,3 +250,20 @@ def test_sglang_is_refused_a_mixture_of_experts_with_dense_layers_it_would_serve
         preflight_with({**QWEN3_MOE, "decoder_sparse_step": 2}, "sglang")
     preflight_with(QWEN3_MOE, "sglang").raise_first_failure()
     preflight_with({**QWEN3_MOE, "decoder_sparse_step": 2}, "local").raise_first_failure()
+
+
+def test_the_steps_metrics_carry_each_moe_layers_expert_load():
+    from megatron_dapo.config import LossConfig
+    from megatron_dapo.loop.step_metrics import train_metrics
+    from megatron_dapo.ops.dapo_loss_checks import STAT_NAMES
+    from megatron_dapo.policy.train_step import StepResult
+
+    def update(load):
+        return StepResult(loss=0.1, grad_norm=1.0, lr=1e-6, stats={k: 1.0 for k in STAT_NAMES}, units=1.0,
+                          expert_load=load)
+
+    loss = LossConfig(old_logprobs="rollout")
+    out = train_metrics([update([1.0, 2.0]), update([1.5, 3.0])], None, None, loss)
+    assert out["moe/expert_load_by_layer/00"] == 1.25 and out["moe/expert_load_by_layer/01"] == 2.5
+    assert out["moe/expert_load/max"] == 2.5 and out["moe/expert_load/mean"] == 1.875
+    assert not any(k.startswith("moe/expert_load") for k in train_metrics([update(None)], None, None, loss))

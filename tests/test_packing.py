@@ -142,6 +142,36 @@ def test_padding_is_routed_round_robin_over_the_experts(models, packed):
         replayer.end()
 
 
+def test_the_expert_load_counts_the_routes_each_router_took_in_a_pass_with_a_graph(models):
+    """policy/expert_load.py: per MoE layer, the tokens each expert got (here the replayed routes, padding spread),
+    counted in forwards that build a graph only (a recompute's first forward builds none)."""
+    from megatron_dapo.policy.batch import micro_batches
+    from megatron_dapo.policy.expert_load import ExpertLoad
+    from megatron_dapo.policy.forward import model_forward
+    from megatron_dapo.policy.routing_replay import RouteReplayer
+
+    model, spec, runtime = models["qwen3_moe"]
+    seqs = sequences(spec=spec)
+    [mb] = micro_batches(seqs, 1000)
+    replayer = RouteReplayer(model)
+    try:
+        with ExpertLoad(model) as load:
+            replayer.before_forward(mb, recompute=False)
+            with torch.no_grad():
+                model_forward(model, mb, runtime.device)
+            assert load.counts.sum() == 0
+            with torch.enable_grad():
+                model_forward(model, mb, runtime.device)
+        taken = [r.router_replay.target_topk_idx.cpu() for r in replayer.routers]
+    finally:
+        replayer.end()
+    assert len(taken) == load.counts.shape[0] == sum(spec.moe_layers)
+    for layer, t in zip(load.counts.cpu(), taken):
+        assert torch.equal(layer, torch.bincount(t.flatten(), minlength=spec.num_experts).double())
+    expected = [(c.max() / c.mean()).item() for c in load.counts.cpu()]
+    assert load.max_over_mean() == pytest.approx(expected) and all(1 <= v <= spec.num_experts for v in expected)
+
+
 def test_packs_fill_by_real_tokens_first_fit_decreasing():
     assert plan_micro_batches([30, 20, 10, 40], 60, packed=True) == [[1, 3], [0, 2]]
     assert plan_micro_batches([30, 20, 10, 40], 60) == [[3], [0, 1], [2]]  # padded: rows x the longest

@@ -47,6 +47,12 @@ def train_metrics(results, sums, abs_max, loss: LossConfig) -> dict[str, float]:
     balance = [r.load_balancing_loss for r in results if r.load_balancing_loss is not None]
     if balance:  # a mixture of experts' load-balancing loss (model.moe_aux_loss_coef > 0), before its coefficient
         out["moe/load_balancing_loss"] = sum(balance) / len(balance)
+    loads = [r.expert_load for r in results if r.expert_load is not None]
+    if loads:  # a mixture of experts: per MoE layer, the busiest expert over the mean one, averaged over the updates
+        per_layer = [sum(layer) / len(loads) for layer in zip(*loads)]
+        out["moe/expert_load/max"] = max(per_layer)
+        out["moe/expert_load/mean"] = sum(per_layer) / len(per_layer)
+        out.update({f"moe/expert_load_by_layer/{i:02d}": v for i, v in enumerate(per_layer)})
     recomputed = loss.old_logprobs != "rollout"
     if not recomputed:  # no old policy's pass: the entropy of the updates' forwards, and no mismatch
         out["entropy"] = sum(r.entropy_mean * r.stats["num_tokens"] for r in results) / loss_tokens

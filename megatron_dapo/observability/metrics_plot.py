@@ -45,6 +45,9 @@ OTHER_PANELS = {
     "staleness": ["staleness", "staleness/"],
     "weight version sampled from": ["weight_version"],
     "tokens per second": ["tokens_per_s"],
+    "MoE expert load (busiest / mean expert)": ["moe/expert_load/"],
+    "MoE expert load by layer": ["moe/expert_load_by_layer/"],
+    "MoE load-balancing loss": ["moe/load_balancing_loss"],
 }
 PANELS = {**KEY_PANELS, **OTHER_PANELS}
 

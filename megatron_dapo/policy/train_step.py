@@ -26,6 +26,7 @@ from megatron_dapo.ops.dapo_loss_checks import STAT_NAMES
 from megatron_dapo.ops.host_sync import no_host_sync
 from megatron_dapo.ops.loss_aggregation import aggregation_weights
 from megatron_dapo.policy.batch import MicroBatch, Sequence, check_sequences
+from megatron_dapo.policy.expert_load import ExpertLoad
 from megatron_dapo.policy.finite_weights import NonFiniteTraining, nonfinite_on_any_rank
 from megatron_dapo.policy.forward import (
     is_last_stage,
@@ -77,6 +78,8 @@ class StepResult:
     # A mixture of experts with a load-balancing loss (model.moe_aux_loss_coef > 0): its value before the
     # coefficient, the mean over the MoE layers and the micro-batches; None otherwise.
     load_balancing_loss: float | None = None
+    # A mixture of experts: per MoE layer, its busiest expert's tokens over the mean expert's (policy/expert_load.py)
+    expert_load: list[float] | None = None
 
 
 class PolicyTrainer:
@@ -220,8 +223,9 @@ class PolicyTrainer:
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         units = loss_units([s.loss_mask for s in samples], self.loss_cfg.aggregation)
+        load = ExpertLoad(self.module)
         try:
-            with step_coefficient(self.module.config, units, routed_tokens(self.module.config, mbs), dev):
+            with step_coefficient(self.module.config, units, routed_tokens(self.module.config, mbs), dev), load:
                 outputs = get_forward_backward_func()(
                     forward_step_func=forward_step, data_iterator=iter(mbs), model=[self.model],
                     num_microbatches=len(mbs), seq_length=max(mb.input_ids.shape[1] for mb in mbs),
@@ -232,6 +236,7 @@ class PolicyTrainer:
                 replayer.end()
         result = self._reduce_metrics(outputs, lr, parallel_state)
         result.load_balancing_loss = tracked_loss(self.module.config, len(mbs), dev)
+        result.expert_load = load.max_over_mean()
         self.step_count += 1
         if not self._finite(result.loss):  # every rank agrees: nothing is applied
             return dataclasses.replace(result, applied=False)
