@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron_dapo.policy.routing_replay import routers_of
+from megatron_dapo.policy.routing_replay import moe_layer_index, routers_of
 
 
 class ExpertLoad:
@@ -20,8 +20,7 @@ class ExpertLoad:
     def __init__(self, model):
         config = model.config
         self.routers = routers_of(model)
-        # a router's layer_number counts from 1 over the whole pipeline; its MoE layer index counts the sparse ones
-        self.layers = [sum(config.moe_layer_freq[: r.layer_number - 1]) for r in self.routers]
+        self.layers = [moe_layer_index(r) for r in self.routers]
         self.moe_layers = sum(config.moe_layer_freq) if config.num_moe_experts else 0
         self.counts = None if not self.moe_layers else \
             torch.zeros(self.moe_layers, config.num_moe_experts, dtype=torch.float64,

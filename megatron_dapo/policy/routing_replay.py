@@ -65,6 +65,12 @@ def routers_of(model) -> list:
     return [m for m in model.modules() if isinstance(m, TopKRouter)]
 
 
+def moe_layer_index(router) -> int:
+    """A router's MoE layer over the whole model (its layer_number counts every decoder layer from 1 over the
+    pipeline; the index counts the sparse ones from 0), where routes and per-layer metrics put it."""
+    return sum(router.config.moe_layer_freq[: router.layer_number - 1])
+
+
 def forget_global_instances() -> None:
     """megatron-core keeps every RouterReplay ever built in a class-global list, for its static API; this code
     addresses each router's own, so the list would only hold models that are gone."""
@@ -82,8 +88,7 @@ class RouteReplayer:
             raise ValueError("RouteReplayer: the model has no router built for replay (build it with "
                              "routing_replay=True)")
         config = self.routers[0].config
-        # a router's layer_number counts from 1 over the whole pipeline; its MoE layer index counts the sparse ones
-        self.layers = [sum(config.moe_layer_freq[: r.layer_number - 1]) for r in self.routers]
+        self.layers = [moe_layer_index(r) for r in self.routers]
         self.topk = config.moe_router_topk
         self.moe_layers, self.experts = sum(config.moe_layer_freq), config.num_moe_experts
         self.tp = config.tensor_model_parallel_size if config.sequence_parallel else 1
