@@ -84,7 +84,7 @@ def test_a_moe_with_routing_replay_starts_against_given_server_urls_and_trains_a
     """Issue 50, finding 3: with rollout.server_urls (as the SLURM launcher sets them) the start-up log-prob check
     recomputed the servers' samples with the replaying policy but without routes, and every rank failed with
     RoutesMissing. Now the check asks the servers for their routes and replays them. Last in this module: the run
-    syncs its step into the server."""
+    syncs its step into the server (the test before resets it to the model's weights first, as this one does)."""
     import os
     import subprocess
 
@@ -94,8 +94,12 @@ def test_a_moe_with_routing_replay_starts_against_given_server_urls_and_trains_a
     from megatron_dapo.data.prompt_file import write_rows
     from megatron_dapo.data.synthetic_math import generate_rows
     from megatron_dapo.demo.tiny_model import CHAT_TEMPLATE
+    from megatron_dapo.rollout.sglang_server import post_json
 
     srv, root = server
+    # the server back to model.path's weights (the expert-parallel test left a step's in it)
+    assert post_json(f"{srv.url}/update_weights_from_disk", {"model_path": str(root / "model"),
+                                                              "weight_version": "0"}, 300)["success"]
     tok = AutoTokenizer.from_pretrained(root / "model")
     tok.chat_template = CHAT_TEMPLATE  # the served weights are untouched
     tok.save_pretrained(root / "model")
