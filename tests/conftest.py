@@ -170,3 +170,12 @@ def sglang_server_as_started(shared) -> tuple:
                                                               "weight_version": "0"}, 300)
     assert reset["success"], reset
     return srv, tokenizer, root
+
+
+def one_process_runtime(parallel):
+    """torch.distributed and megatron-core's groups in this process, a world of one, for a module's fixture (which
+    calls parallel.runtime.shutdown_runtime when it is done)."""
+    from megatron_dapo.parallel.runtime import free_port, init_runtime
+
+    return init_runtime(parallel, environ={"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                                           "MASTER_PORT": str(free_port())})

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import one_process_runtime
 
 sys.path.insert(0, str(Path(__file__).parent / "distributed"))
 from tiny_models import PARITY_DTYPE, VOCAB, hf_model  # noqa: E402
@@ -27,12 +28,11 @@ COEF = 0.01
 @pytest.fixture(scope="module")
 def moe(tmp_path_factory):
     from megatron_dapo.checkpoint.safetensors_io import HFCheckpoint
-    from megatron_dapo.parallel.runtime import free_port, init_runtime, shutdown_runtime
+    from megatron_dapo.parallel.runtime import shutdown_runtime
     from megatron_dapo.policy.hf_config import model_spec_from_hf
 
     parallel = ParallelConfig(device="cpu")
-    runtime = init_runtime(parallel, environ={"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-                                              "MASTER_PORT": str(free_port())})
+    runtime = one_process_runtime(parallel)
     folder = tmp_path_factory.mktemp("qwen3_moe")
     hf_model("qwen3_moe")[0].save_pretrained(folder)
     ckpt = HFCheckpoint(folder)

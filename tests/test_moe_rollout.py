@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import one_process_runtime
 
 sys.path.insert(0, str(Path(__file__).parent / "distributed"))
 from tiny_models import PARITY_DTYPE, hf_model  # noqa: E402
@@ -27,13 +28,12 @@ def moe(tmp_path_factory):
     """(policy built for replay, the same weights built without, spec, runtime, the engine's groups)."""
     from megatron_dapo.checkpoint.hf_weights import load_hf_weights
     from megatron_dapo.checkpoint.safetensors_io import HFCheckpoint
-    from megatron_dapo.parallel.runtime import free_port, init_runtime, shutdown_runtime
+    from megatron_dapo.parallel.runtime import shutdown_runtime
     from megatron_dapo.policy.hf_config import model_spec_from_hf
     from megatron_dapo.policy.model import build_model
 
     parallel = ParallelConfig(device="cpu")
-    runtime = init_runtime(parallel, environ={"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-                                              "MASTER_PORT": str(free_port())})
+    runtime = one_process_runtime(parallel)
     hf, _ = hf_model("qwen3_moe", seed=3)
     folder = tmp_path_factory.mktemp("moe") / "hf"
     hf.save_pretrained(folder)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import one_process_runtime
 
 sys.path.insert(0, str(Path(__file__).parent / "distributed"))
 from tiny_models import PARITY_DTYPE, hf_model, sequences  # noqa: E402
@@ -20,13 +21,12 @@ from megatron_dapo.policy.batch import micro_batches  # noqa: E402
 def policy(tmp_path_factory):
     from megatron_dapo.checkpoint.hf_weights import load_hf_weights
     from megatron_dapo.checkpoint.safetensors_io import HFCheckpoint
-    from megatron_dapo.parallel.runtime import free_port, init_runtime, shutdown_runtime
+    from megatron_dapo.parallel.runtime import shutdown_runtime
     from megatron_dapo.policy.hf_config import model_spec_from_hf
     from megatron_dapo.policy.model import build_model
 
     parallel = ParallelConfig(device="cpu")
-    runtime = init_runtime(parallel, environ={"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-                                              "MASTER_PORT": str(free_port())})
+    runtime = one_process_runtime(parallel)
     folder = tmp_path_factory.mktemp("qwen2")
     hf_model("qwen2")[0].save_pretrained(folder)
     ckpt = HFCheckpoint(folder)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import one_process_runtime
 
 sys.path.insert(0, str(Path(__file__).parent / "distributed"))
 from tiny_models import PARITY_DTYPE, hf_model  # noqa: E402
@@ -23,13 +24,12 @@ def models(tmp_path_factory):
     """kind -> (model, spec, runtime); the mixture of experts' model replays the routes its sequences carry."""
     from megatron_dapo.checkpoint.hf_weights import load_hf_weights
     from megatron_dapo.checkpoint.safetensors_io import HFCheckpoint
-    from megatron_dapo.parallel.runtime import free_port, init_runtime, shutdown_runtime
+    from megatron_dapo.parallel.runtime import shutdown_runtime
     from megatron_dapo.policy.hf_config import model_spec_from_hf
     from megatron_dapo.policy.model import build_model
 
     parallel = ParallelConfig(device="cpu")
-    runtime = init_runtime(parallel, environ={"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-                                              "MASTER_PORT": str(free_port())})
+    runtime = one_process_runtime(parallel)
     built = {}
     for kind, replay in (("qwen2", False), ("qwen3_moe", True)):
         folder = tmp_path_factory.mktemp(kind)
