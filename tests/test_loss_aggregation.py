@@ -77,3 +77,14 @@ def test_a_steps_loss_over_several_updates_is_averaged_as_its_aggregation_says(a
     out = train_metrics([update(1.0, 1, 100), update(0.0, 3, 6)], None, None,
                         LossConfig(aggregation=aggregation, old_logprobs="rollout"))
     assert out["loss"] == pytest.approx(1 / 4 if aggregation == "sample" else 100 / 106)
+
+
+@pytest.mark.parametrize("aggregation", ["token", "sample"])
+def test_the_hosts_count_of_loss_units_is_the_loss_functions(aggregation):
+    """loss_units (the load-balancing loss's scale, before the step) counts what aggregation_weights adds to the
+    normaliser in it."""
+    from megatron_dapo.ops.loss_aggregation import loss_units
+
+    masks = [torch.tensor([True, False, True]), torch.zeros(2, dtype=torch.bool), torch.tensor([False, True])]
+    _, units = aggregation_weights(torch.cat(masks), [len(m) for m in masks], aggregation)
+    assert loss_units(masks, aggregation) == int(units) == {"token": 3, "sample": 2}[aggregation]

@@ -29,3 +29,12 @@ def aggregation_weights(mask: torch.Tensor, lengths: Sequence[int],
     response = torch.repeat_interleave(torch.arange(len(lens), device=mask.device), lens, output_size=mask.numel())
     counts = torch.zeros(len(lens), device=mask.device).index_add_(0, response, mask.float())
     return mask.float() / counts.clamp_min(1.0)[response], (counts > 0).sum().to(torch.int)
+
+
+def loss_units(masks: Sequence[torch.Tensor], aggregation: str) -> int:
+    """On the host, before a step: what `masks` (each response's loss mask) add to the normaliser, counted as
+    aggregation_weights counts it: loss tokens, or responses with at least one loss token ("sample")."""
+    check_aggregation(aggregation)
+    if aggregation == "sample":
+        return sum(int(bool(m.any())) for m in masks)
+    return sum(int(m.sum()) for m in masks)

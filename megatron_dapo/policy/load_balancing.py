@@ -22,14 +22,6 @@ import torch.distributed as dist
 from megatron_dapo.policy.batch import MicroBatch
 
 
-def loss_units(masks: list[torch.Tensor], aggregation: str) -> int:
-    """What this rank's share of the step adds to the loss's normaliser (ops/loss_aggregation.py): its loss tokens,
-    or its responses with a loss token ("sample")."""
-    if aggregation == "sample":
-        return sum(int(bool(m.any())) for m in masks)
-    return sum(int(m.sum()) for m in masks)
-
-
 def routed_tokens(config, mbs: list[MicroBatch]) -> int:
     """The tokens this rank's routers see over the step's micro-batches, as megatron-core counts them for the aux
     loss: each micro-batch's ids on this rank (its context-parallel share), split over the tensor-parallel ranks by

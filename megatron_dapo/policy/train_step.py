@@ -24,7 +24,7 @@ from megatron_dapo.config import LossConfig, OptimConfig, ParallelConfig
 from megatron_dapo.ops.dapo_loss import dapo_loss
 from megatron_dapo.ops.dapo_loss_checks import STAT_NAMES
 from megatron_dapo.ops.host_sync import no_host_sync
-from megatron_dapo.ops.loss_aggregation import aggregation_weights
+from megatron_dapo.ops.loss_aggregation import aggregation_weights, loss_units
 from megatron_dapo.policy.batch import MicroBatch, Sequence, check_sequences
 from megatron_dapo.policy.expert_load import ExpertLoad
 from megatron_dapo.policy.finite_weights import NonFiniteTraining, nonfinite_on_any_rank
@@ -36,7 +36,7 @@ from megatron_dapo.policy.forward import (
     route_replayer,
 )
 from megatron_dapo.policy.hf_config import ModelSpec
-from megatron_dapo.policy.load_balancing import loss_units, routed_tokens, step_coefficient, tracked_loss
+from megatron_dapo.policy.load_balancing import routed_tokens, step_coefficient, tracked_loss
 from megatron_dapo.policy.model import build_model
 
 
