@@ -77,7 +77,7 @@ class DapoTrainer:
         recomputed), then the step's updates; their metrics."""
         loss, policy = self.cfg.loss, self.policy
         with timer("old_logprob"):
-            samples, sums, abs_max = training_samples(
+            samples, sums, abs_max, agreement = training_samples(
                 policy.module.eval(), policy.reference, share, spec=policy.spec,
                 max_tokens_per_micro_batch=self.cfg.model.max_tokens_per_micro_batch, device=self.runtime.device,
                 tis_cap=loss.tis_cap, tis_mode=loss.tis_mode, temperature=self.cfg.rollout.temperature,
@@ -85,10 +85,11 @@ class DapoTrainer:
             policy.module.train()
         with timer("train"):
             policy.trainer.begin_rollout_step(self.step_index)  # the LR warmup counts rollout steps
-            results = [policy.trainer.step(update)
-                       for update in self.updates.cut(samples, share, self.step_index + 1)]
+            # the routing agreement from the first update where no old-log-prob pass counted it
+            results = [policy.trainer.step(update, measure_routing=i == 0 and agreement is None)
+                       for i, update in enumerate(self.updates.cut(samples, share, self.step_index + 1))]
         self.bad_steps.observe(self.step_index + 1, results, self.feed.batch_prompts)
-        return train_metrics(results, sums, abs_max, loss)
+        return train_metrics(results, sums, abs_max, loss, agreement)
 
     def _doing(self, what: str, within_s: float | None = None, key: str | None = None) -> None:
         """What this rank's main thread does now, for its heartbeat (named if it gets stuck there); `within_s`:

@@ -37,6 +37,12 @@ def test_a_moe_policy_with_routing_replay_learns(warm_moe, tmp_path, monkeypatch
     # each MoE layer's expert load (busiest / mean expert), whatever the aux coefficient (0 here)
     assert all(1 <= r["moe/expert_load/max"] <= 8 and len([k for k in r if k.startswith("moe/expert_load_by_layer/")])
                == 4 for r in rows)
+    # with replay, the share of response tokens whose trainer's own top-k is the engine's (measured in the first
+    # update: the demo's old log-probs are the engine's)
+    agreement = [r["moe/routing_agreement"] for r in rows]
+    print(f"routing agreement per step: {[round(a, 4) for a in agreement]}")
+    assert all(0.9 <= a <= 1 and len([k for k in r if k.startswith("moe/routing_agreement_by_layer/")]) == 4
+               for a, r in zip(agreement, rows))
     # The held-out reward (512 samples) rises: measured +0.14 and +0.135 in 20 steps (the demo's 40: +0.23 to +0.28).
     assert after >= before + 0.05
     # ... and so does the sampled one, noisier (each step draws new prompts): +0.035 measured.

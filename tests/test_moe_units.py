@@ -267,3 +267,20 @@ def test_the_steps_metrics_carry_each_moe_layers_expert_load():
     assert out["moe/expert_load_by_layer/00"] == 1.25 and out["moe/expert_load_by_layer/01"] == 2.5
     assert out["moe/expert_load/max"] == 2.5 and out["moe/expert_load/mean"] == 1.875
     assert not any(k.startswith("moe/expert_load") for k in train_metrics([update(None)], None, None, loss))
+
+
+def test_the_steps_metrics_carry_the_routing_agreement_of_the_old_pass_or_else_the_first_update():
+    from megatron_dapo.config import LossConfig
+    from megatron_dapo.loop.step_metrics import train_metrics
+    from megatron_dapo.ops.dapo_loss_checks import STAT_NAMES
+    from megatron_dapo.policy.train_step import StepResult
+
+    def update(agreement=None):
+        return StepResult(loss=0.1, grad_norm=1.0, lr=1e-6, stats={k: 1.0 for k in STAT_NAMES}, units=1.0,
+                          routing_agreement=agreement)
+
+    loss = LossConfig(old_logprobs="rollout")
+    out = train_metrics([update([1.0, 0.5]), update()], None, None, loss)
+    assert out["moe/routing_agreement"] == 0.75 and out["moe/routing_agreement_by_layer/01"] == 0.5
+    assert train_metrics([update()], None, None, loss, [0.25, 0.75])["moe/routing_agreement_by_layer/00"] == 0.25
+    assert not any(k.startswith("moe/routing") for k in train_metrics([update()], None, None, loss))

@@ -172,6 +172,105 @@ def test_the_expert_load_counts_the_routes_each_router_took_in_a_pass_with_a_gra
     assert load.max_over_mean() == pytest.approx(expected) and all(1 <= v <= spec.num_experts for v in expected)
 
 
+def own_routes(models, seqs) -> list[torch.Tensor]:
+    """Each sequence's routes as the model's routers choose them by themselves, [tokens, MoE layers, k]."""
+    from megatron_dapo.policy.forward import model_forward
+    from megatron_dapo.policy.routing_replay import routers_of
+
+    model, spec, runtime = models["qwen3_moe"]
+    taken = []
+    hooks = [r.register_forward_hook(lambda _r, _a, out: taken.append(out[1].nonzero()[:, 1].view(-1, spec.moe_topk)))
+             for r in routers_of(model)]
+    out = []
+    try:
+        for s in seqs:
+            taken.clear()
+            with torch.no_grad():
+                model_forward(model, micro_batches([Sequence(s.tokens, s.prompt_len)], 1000)[0], runtime.device)
+            out.append(torch.stack(taken, 1).cpu())
+    finally:
+        for h in hooks:
+            h.remove()
+    return out
+
+
+def changed_last_layer(models):
+    """(the sequences with their own routes, the same with the last MoE layer's routes changed at some positions,
+    the routing agreement expected per MoE layer for the latter, the response tokens counted). Nothing routes after
+    the last MoE layer, so the other layers keep their own routes; a sequence's prompt positions and its last token
+    give no response log-prob, so changes there do not count."""
+    _, spec, _ = models["qwen3_moe"]
+    seqs = sequences()
+    last, changed, counted = sum(spec.moe_layers) - 1, 0, 0
+    own, altered = [], []
+    for i, (s, routes) in enumerate(zip(seqs, own_routes(models, seqs))):
+        own.append(Sequence(s.tokens, s.prompt_len, routes))
+        routes = routes.clone()
+        p, n = s.prompt_len, s.tokens.numel()
+        at = [0, p - 1, p + (i % 3), n - 1]  # a prompt position, two response tokens' positions, the last token
+        routes[at, last] = (routes[at, last] + 1) % spec.num_experts
+        changed += len({p - 1, p + (i % 3)} & set(range(p - 1, n - 1)))
+        counted += n - p
+        altered.append(Sequence(s.tokens, p, routes))
+    return own, altered, [1.0] * last + [pytest.approx(1 - changed / counted, abs=1e-12)], counted
+
+
+@pytest.mark.parametrize("budget, packed", [(1000, False), (1000, True), (62, True)])
+def test_routing_agreement_counts_the_response_tokens_whose_own_top_k_is_the_rollouts(models, budget, packed):
+    """Issue 50, MoE observability (R3), in the old-log-prob pass: with the routers' own routes replayed the
+    agreement is 1 in every layer; with the last MoE layer's routes changed at some positions it drops there by the
+    share of response tokens changed."""
+    from megatron_dapo.policy.forward import response_logprobs
+    from megatron_dapo.policy.routing_agreement import RoutingAgreement
+
+    model, spec, runtime = models["qwen3_moe"]
+    own, altered, expected, counted = changed_last_layer(models)
+
+    def agreement(seqs):
+        with_routes = RoutingAgreement(model)
+        response_logprobs(model, seqs, vocab_size=spec.vocab_size, max_positions=spec.max_position_embeddings,
+                          max_tokens_per_micro_batch=budget, device=runtime.device, packed=packed,
+                          agreement=with_routes)
+        assert with_routes.counts[1].tolist() == [float(counted)] * len(expected)
+        return with_routes.shares()
+
+    assert agreement(own) == [1.0] * len(expected)
+    assert agreement(altered) == expected
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_an_updates_routing_agreement_counts_each_token_once_with_activation_recompute(models, tmp_path, recompute,
+                                                                                       monkeypatch):
+    """Where nothing is recomputed (loss.old_logprobs rollout) the step's first update counts the agreement: the
+    same as the old-log-prob pass, each response token once though activation recompute runs its forward again."""
+    from megatron_dapo.checkpoint.hf_weights import load_policy_weights
+    from megatron_dapo.checkpoint.safetensors_io import HFCheckpoint
+    from megatron_dapo.config import LossConfig, OptimConfig
+    from megatron_dapo.policy import train_step
+    from megatron_dapo.policy.train_step import PolicyTrainer, RolloutSample
+
+    made = []
+
+    class Kept(train_step.RoutingAgreement):
+        def __init__(self, model):
+            super().__init__(model)
+            made.append(self)
+
+    monkeypatch.setattr(train_step, "RoutingAgreement", Kept)
+    _, spec, runtime = models["qwen3_moe"]
+    _, altered, expected, counted = changed_last_layer(models)
+    hf_model("qwen3_moe")[0].save_pretrained(tmp_path)  # the fixture's weights
+    trainer = PolicyTrainer(spec, ParallelConfig(device="cpu"), runtime.device, OptimConfig(lr=1e-6, warmup_steps=0),
+                            LossConfig(), 62, activation_recompute=recompute, params_dtype=PARITY_DTYPE,
+                            routing_replay=True, packed=True)
+    load_policy_weights(trainer, HFCheckpoint(tmp_path).get)
+    batch = [RolloutSample(s, torch.full((s.response_len,), -2.0), torch.ones(s.response_len),
+                           torch.ones(s.response_len, dtype=torch.bool)) for s in altered]
+    assert trainer.step(batch, measure_routing=True).routing_agreement == expected
+    assert made[0].counts[1].tolist() == [float(counted)] * len(expected)
+    assert trainer.step(batch).routing_agreement is None and len(made) == 1  # measured where asked only
+
+
 def test_packs_fill_by_real_tokens_first_fit_decreasing():
     assert plan_micro_batches([30, 20, 10, 40], 60, packed=True) == [[1, 3], [0, 2]]
     assert plan_micro_batches([30, 20, 10, 40], 60) == [[3], [0, 1], [2]]  # padded: rows x the longest

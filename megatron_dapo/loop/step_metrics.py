@@ -24,9 +24,11 @@ class StepTimer:
         self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
 
 
-def train_metrics(results, sums, abs_max, loss: LossConfig) -> dict[str, float]:
+def train_metrics(results, sums, abs_max, loss: LossConfig, agreement: list[float] | None = None
+                  ) -> dict[str, float]:
     """The step's updates (`results`: policy.train_step.StepResult) and, unless loss.old_logprobs is "rollout",
-    the old policy's pass (`sums`, `abs_max`: policy.mismatch) in the metrics' terms."""
+    the old policy's pass (`sums`, `abs_max`: policy.mismatch; `agreement`: its routing agreement per MoE layer,
+    else the first update's) in the metrics' terms."""
     stats = {k: sum(r.stats[k] for r in results) for k in STAT_NAMES if k != "ratio_max"}
     loss_tokens = max(stats["num_tokens"], 1.0)
     out = {
@@ -53,6 +55,10 @@ def train_metrics(results, sums, abs_max, loss: LossConfig) -> dict[str, float]:
         out["moe/expert_load/max"] = max(per_layer)
         out["moe/expert_load/mean"] = sum(per_layer) / len(per_layer)
         out.update({f"moe/expert_load_by_layer/{i:02d}": v for i, v in enumerate(per_layer)})
+    agreement = agreement if agreement is not None else results[0].routing_agreement
+    if agreement is not None:  # routing replay: the share of response tokens whose own top-k is the rollout's
+        out["moe/routing_agreement"] = sum(agreement) / len(agreement)
+        out.update({f"moe/routing_agreement_by_layer/{i:02d}": v for i, v in enumerate(agreement)})
     recomputed = loss.old_logprobs != "rollout"
     if not recomputed:  # no old policy's pass: the entropy of the updates' forwards, and no mismatch
         out["entropy"] = sum(r.entropy_mean * r.stats["num_tokens"] for r in results) / loss_tokens

@@ -48,6 +48,7 @@ OTHER_PANELS = {
     "MoE expert load (busiest / mean expert)": ["moe/expert_load/"],
     "MoE expert load by layer": ["moe/expert_load_by_layer/"],
     "MoE load-balancing loss": ["moe/load_balancing_loss"],
+    "MoE routing agreement (own top-k = rollout's)": ["moe/routing_agreement", "moe/routing_agreement_by_layer/"],
 }
 PANELS = {**KEY_PANELS, **OTHER_PANELS}
 

@@ -8,6 +8,7 @@ results live on the last pipeline stage (where the loss is computed); other stag
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from functools import partial
 
 import torch
@@ -106,9 +107,10 @@ def is_last_stage() -> bool:
 @torch.no_grad()
 def response_logprobs(model, sequences: list[Sequence], *, vocab_size: int, max_positions: int,
                       max_tokens_per_micro_batch: int, device: torch.device, temperature: float = 1.0,
-                      packed: bool = False):
+                      packed: bool = False, agreement=None):
     """Per sequence: (log-probs, entropies) of its response tokens under softmax(logits / temperature), fp32, on
-    the last stage; else None. `packed`: model.packing (policy/batch.py)."""
+    the last stage; else None. `packed`: model.packing (policy/batch.py). `agreement`: a RoutingAgreement of the
+    model's routers (policy/routing_agreement.py) that counts this pass, with routing replay."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     check_sequences(sequences, max_positions)
@@ -125,13 +127,16 @@ def response_logprobs(model, sequences: list[Sequence], *, vocab_size: int, max_
         mb = next(data_iterator)
         if replayer is None:
             return model_forward(model, mb, device), partial(loss_func, mb)
+        if agreement is not None:
+            agreement.micro_batch(mb)
         return replayer.before_forward(mb, recompute=False)(model_forward(model, mb, device)), partial(loss_func, mb)
 
     try:
-        outputs = get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iter(mbs), model=[model], num_microbatches=len(mbs),
-            seq_length=max(mb.input_ids.shape[1] for mb in mbs), micro_batch_size=1, forward_only=True,
-        )
+        with agreement if agreement is not None and replayer is not None else nullcontext():
+            outputs = get_forward_backward_func()(
+                forward_step_func=forward_step, data_iterator=iter(mbs), model=[model], num_microbatches=len(mbs),
+                seq_length=max(mb.input_ids.shape[1] for mb in mbs), micro_batch_size=1, forward_only=True,
+            )
     finally:
         if replayer is not None:
             replayer.end()

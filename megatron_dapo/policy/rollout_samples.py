@@ -9,6 +9,7 @@ views: the engine's log-probs travel to the device in one copy. When loss.tis_ca
 is weighted by min(pi_old / pi_rollout, cap) (truncated importance sampling; policy/mismatch.py).
 With loss.old_logprobs "rollout" (the in-process engine in sync mode, which sampled with these very
 weights) the engine's log-probs are pi_old's and nothing is recomputed: no entropies, no mismatch.
+With routing replay the recompute also counts the routing agreement (policy/routing_agreement.py).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from megatron_dapo.parallel.rank_shares import PackedShare
 from megatron_dapo.policy.batch import Sequence
 from megatron_dapo.policy.forward import response_logprobs, to_every_stage
 from megatron_dapo.policy.mismatch import MISMATCH_KEYS, mismatch_sums, tis_weights
+from megatron_dapo.policy.routing_agreement import RoutingAgreement
 from megatron_dapo.policy.train_step import RolloutSample
 
 
@@ -34,11 +36,12 @@ def _flat_logprobs(model, seqs: list[Sequence], numel: int, device: torch.device
 def training_samples(model, reference, share: PackedShare, *, spec, max_tokens_per_micro_batch: int,
                      device: torch.device, tis_cap: float | None, tis_mode: str = "truncate",
                      temperature: float = 1.0, old_logprobs: str = "recompute", packed: bool = False
-                     ) -> tuple[list[RolloutSample], torch.Tensor, torch.Tensor]:
-    """RolloutSamples for `share` (this rank's responses), on `device`; and this rank's mismatch sums
+                     ) -> tuple[list[RolloutSample], torch.Tensor, torch.Tensor, list[float] | None]:
+    """RolloutSamples for `share` (this rank's responses), on `device`; this rank's mismatch sums
     (MISMATCH_KEYS) and largest |log pi_old - log pi_rollout| over its loss tokens (zeros on all but one
     rank per data-parallel replica, so that world-wide sums count every response once; with `old_logprobs`
-    "rollout" only the loss tokens and the KL reference's sum are not zeros). `temperature`:
+    "rollout" only the loss tokens and the KL reference's sum are not zeros); and with routing replay and a
+    recompute, the routing agreement per MoE layer over all ranks (collective), else None. `temperature`:
     rollout.temperature, at which the old (and reference) log-probs and entropies are computed. `old_logprobs`:
     loss.old_logprobs. `packed`: model.packing."""
     from megatron.core import parallel_state
@@ -51,10 +54,12 @@ def training_samples(model, reference, share: PackedShare, *, spec, max_tokens_p
     kwargs = dict(vocab_size=spec.vocab_size, max_positions=spec.max_position_embeddings,
                   max_tokens_per_micro_batch=max_tokens_per_micro_batch, temperature=temperature, packed=packed)
     rollout = share.rollout_logp.to(device)
+    agreement = None
     if old_logprobs == "rollout":
         old, entropy = rollout, None
     else:
-        old, entropy = _flat_logprobs(model, seqs, numel, device, **kwargs)
+        agreement = RoutingAgreement(model) if getattr(model.config, "moe_enable_routing_replay", False) else None
+        old, entropy = _flat_logprobs(model, seqs, numel, device, agreement=agreement, **kwargs)
     ref = _flat_logprobs(reference, seqs, numel, device, **kwargs)[0] if reference is not None else None
 
     per_token = share.output_lens.to(device)
@@ -78,4 +83,4 @@ def training_samples(model, reference, share: PackedShare, *, spec, max_tokens_p
     else:
         sums, abs_max = torch.zeros(len(MISMATCH_KEYS), dtype=torch.float64, device=device), \
             torch.zeros(1, dtype=torch.float64, device=device)
-    return samples, sums, abs_max
+    return samples, sums, abs_max, agreement.shares() if agreement is not None else None

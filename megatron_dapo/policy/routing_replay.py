@@ -71,6 +71,25 @@ def moe_layer_index(router) -> int:
     return sum(router.config.moe_layer_freq[: router.layer_number - 1])
 
 
+def router_order(per_position: torch.Tensor, tp: int) -> torch.Tensor:
+    """A micro-batch's `[rows, length, ...]` per-position values in the order a router sees its tokens: `[length x
+    rows, ...]` flattened sequence-major, with sequence parallelism (`tp` > 1) only this tensor-parallel rank's slice
+    of the length."""
+    from megatron.core import parallel_state
+
+    out = per_position.transpose(0, 1)
+    if tp > 1:
+        part = out.shape[0] // tp
+        rank = parallel_state.get_tensor_model_parallel_rank()
+        out = out[rank * part:(rank + 1) * part]
+    return out.reshape(-1, *out.shape[2:])
+
+
+def sequence_parallel_size(config) -> int:
+    """How many slices of the length a router's tokens are (sequence parallelism cuts it over the TP ranks)."""
+    return config.tensor_model_parallel_size if config.sequence_parallel else 1
+
+
 def forget_global_instances() -> None:
     """megatron-core keeps every RouterReplay ever built in a class-global list, for its static API; this code
     addresses each router's own, so the list would only hold models that are gone."""
@@ -91,7 +110,7 @@ class RouteReplayer:
         self.layers = [moe_layer_index(r) for r in self.routers]
         self.topk = config.moe_router_topk
         self.moe_layers, self.experts = sum(config.moe_layer_freq), config.num_moe_experts
-        self.tp = config.tensor_model_parallel_size if config.sequence_parallel else 1
+        self.tp = sequence_parallel_size(config)
         self.device = next(model.parameters()).device
 
     def check(self, sequences) -> None:
@@ -114,7 +133,6 @@ class RouteReplayer:
         routers to their queues when that micro-batch's backward starts, where its layers are recomputed). The
         routes go to the device once for all the stage's routers (kept small, uint8 or int16, until there), and
         are queued for the backward only where it recomputes the forward."""
-        from megatron.core import parallel_state
         from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
         if not mb.sample_index:  # a filler micro-batch: all padding
@@ -127,12 +145,7 @@ class RouteReplayer:
                 "falls back to the trainer's own routing")
         else:
             routes, fill = mb.routes[:, :, self.layers], mb.route_fill  # [rows, length, my layers, k], [rows, length]
-        routes, fill = routes.transpose(0, 1), fill.transpose(0, 1)  # the routers' order: [length, rows]
-        if self.tp > 1:  # sequence parallelism: this rank's slice of the length
-            part = routes.shape[0] // self.tp
-            rank = parallel_state.get_tensor_model_parallel_rank()
-            routes, fill = routes[rank * part:(rank + 1) * part], fill[rank * part:(rank + 1) * part]
-        routes, fill = routes.reshape(-1, *routes.shape[2:]), fill.reshape(-1)
+        routes, fill = router_order(routes, self.tp), router_order(fill, self.tp)
         if self.device.type == "cuda":
             routes, fill = routes.pin_memory(), fill.pin_memory()
         routes = routes.to(self.device, non_blocking=True).long()  # gather's index type, on the device only

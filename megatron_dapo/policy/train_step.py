@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -38,6 +39,7 @@ from megatron_dapo.policy.forward import (
 from megatron_dapo.policy.hf_config import ModelSpec
 from megatron_dapo.policy.load_balancing import routed_tokens, step_coefficient, tracked_loss
 from megatron_dapo.policy.model import build_model
+from megatron_dapo.policy.routing_agreement import RoutingAgreement
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,9 @@ class StepResult:
     load_balancing_loss: float | None = None
     # A mixture of experts: per MoE layer, its busiest expert's tokens over the mean expert's (policy/expert_load.py)
     expert_load: list[float] | None = None
+    # With routing replay, where step(measure_routing=True): per MoE layer, the share of response tokens whose own
+    # top-k is the replayed one (policy/routing_agreement.py)
+    routing_agreement: list[float] | None = None
 
 
 class PolicyTrainer:
@@ -173,8 +178,10 @@ class PolicyTrainer:
                    "entropy_sum": zero}
         return logits.sum() * 0.0, zero.to(torch.int), reduced
 
-    def step(self, samples: list[RolloutSample]) -> StepResult:
-        """One optimizer step on this data-parallel rank's share of the batch."""
+    def step(self, samples: list[RolloutSample], measure_routing: bool = False) -> StepResult:
+        """One optimizer step on this data-parallel rank's share of the batch. `measure_routing`: with routing
+        replay, count the routing agreement in this update's forwards (the step's first update, where no old-log-prob
+        pass did: its weights are still the old policy's)."""
         from megatron.core import parallel_state
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -196,6 +203,8 @@ class PolicyTrainer:
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
             on_output = replayer.before_forward(mb, self.recompute) if replayer is not None else (lambda out: out)
+            if agreement is not None:
+                agreement.micro_batch(mb)
             if not mb.sample_index:  # a filler (expert parallelism): its forward and backward, and nothing else
                 return on_output(model_forward(model, mb, dev)), self._filler_loss
             rows = [samples[i] for i in mb.sample_index]
@@ -224,8 +233,10 @@ class PolicyTrainer:
         self.optimizer.zero_grad()
         units = loss_units([s.loss_mask for s in samples], self.loss_cfg.aggregation)
         load = ExpertLoad(self.module)
+        agreement = RoutingAgreement(self.module) if measure_routing and replayer is not None else None
         try:
-            with step_coefficient(self.module.config, units, routed_tokens(self.module.config, mbs), dev), load:
+            with step_coefficient(self.module.config, units, routed_tokens(self.module.config, mbs), dev), load, \
+                    agreement if agreement is not None else nullcontext():
                 outputs = get_forward_backward_func()(
                     forward_step_func=forward_step, data_iterator=iter(mbs), model=[self.model],
                     num_microbatches=len(mbs), seq_length=max(mb.input_ids.shape[1] for mb in mbs),
@@ -237,6 +248,7 @@ class PolicyTrainer:
         result = self._reduce_metrics(outputs, lr, parallel_state)
         result.load_balancing_loss = tracked_loss(self.module.config, len(mbs), dev)
         result.expert_load = load.max_over_mean()
+        result.routing_agreement = agreement.shares() if agreement is not None else None
         self.step_count += 1
         if not self._finite(result.loss):  # every rank agrees: nothing is applied
             return dataclasses.replace(result, applied=False)

@@ -73,12 +73,13 @@ def run_layout(out_dir, tp, pp, hf, spec):
         load_hf_weights(model, hf.state_dict().__getitem__, spec, parallel)
         stages.append(model.eval())
     items, expected, reference = items_and_expected(hf)
-    samples, sums, abs_max = training_samples(stages[0], stages[1], PackedShare.pack([items]), spec=spec, max_tokens_per_micro_batch=100,
-                                              device=runtime.device, tis_cap=TIS_CAP)
+    samples, sums, abs_max, _ = training_samples(stages[0], stages[1], PackedShare.pack([items]), spec=spec,
+                                                 max_tokens_per_micro_batch=100, device=runtime.device,
+                                                 tis_cap=TIS_CAP)
     metrics = reduce_mismatch(sums, abs_max)
-    _, sums, abs_max = training_samples(stages[0], stages[1], PackedShare.pack([items]), spec=spec,
-                                        max_tokens_per_micro_batch=100, device=runtime.device, tis_cap=None,
-                                        old_logprobs="rollout")
+    _, sums, abs_max, _ = training_samples(stages[0], stages[1], PackedShare.pack([items]), spec=spec,
+                                           max_tokens_per_micro_batch=100, device=runtime.device, tis_cap=None,
+                                           old_logprobs="rollout")
     rollout_metrics = reduce_mismatch(sums, abs_max)
     old_err = max((s.old_logp.double().cpu() - r).abs().max().item() for s, r in zip(samples, reference))
     ref_err = max((s.ref_logp.double().cpu() - r).abs().max().item() for s, r in zip(samples, reference))
