@@ -1,6 +1,6 @@
-"""tools/convert_checkpoint.py: HF <-> megatron-core distributed checkpoints at TP=2 x PP=2 (a mixture of experts
-at TP=2 x EP=2 x PP=2), for real: the files equal megatron-core's own save, megatron-core loads them at other
-layouts, and conversion streams."""
+"""tools/convert_checkpoint.py: HF <-> megatron-core distributed checkpoints at TP=2 x PP=2 (a mixture of experts,
+Qwen3-MoE's routing or GLM-4.5's, at TP=2 x EP=2 x PP=2), for real: the files equal megatron-core's own save,
+megatron-core loads them at other layouts, and conversion streams."""
 
 import dataclasses
 import json
@@ -28,9 +28,10 @@ pytestmark = pytest.mark.slow
 TOOL = Path(__file__).parents[1] / "tools" / "convert_checkpoint.py"
 
 
-KINDS = ["qwen2_tied", "qwen2", "llama", "qwen3", "qwen3_moe"]
+MOE_KINDS = ["qwen3_moe", "glm4_moe"]
+KINDS = ["qwen2_tied", "qwen2", "llama", "qwen3", *MOE_KINDS]
 # (TP, EP, PP) each kind is converted at; a mixture of experts' experts are dealt over 2 expert-parallel ranks too.
-SAVED_AT = {kind: (2, 2, 2) if kind == "qwen3_moe" else (2, 1, 2) for kind in KINDS}
+SAVED_AT = {kind: (2, 2, 2) if kind in MOE_KINDS else (2, 1, 2) for kind in KINDS}
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +106,7 @@ def test_loaded_at_other_layouts_matches_transformers(converted, loaded):
     kind, _ = converted
     merged = loaded[kind]
     # A mixture of experts saved at TP2 x EP2 x PP2 loads whole, and with each expert alone on its rank.
-    assert set(merged) == ({"tp1-ep1-pp1", "tp1-ep4-pp1"} if kind == "qwen3_moe" else {"tp1-ep1-pp1", "tp2-ep1-pp2"})
+    assert set(merged) == ({"tp1-ep1-pp1", "tp1-ep4-pp1"} if kind in MOE_KINDS else {"tp1-ep1-pp1", "tp2-ep1-pp2"})
     for layout, r in merged.items():
         assert r["tokens"] == 138 and r["max_abs_logp"] < 1e-4, (layout, r)
 

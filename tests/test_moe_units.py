@@ -284,3 +284,73 @@ def test_the_steps_metrics_carry_the_routing_agreement_of_the_old_pass_or_else_t
     assert out["moe/routing_agreement"] == 0.75 and out["moe/routing_agreement_by_layer/01"] == 0.5
     assert train_metrics([update()], None, None, loss, [0.25, 0.75])["moe/routing_agreement_by_layer/00"] == 0.25
     assert not any(k.startswith("moe/routing") for k in train_metrics([update()], None, None, loss))
+
+
+GLM4_MOE = dict(architectures=["Glm4MoeForCausalLM"], hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                num_attention_heads=4, num_key_value_heads=2, vocab_size=300, max_position_embeddings=96,
+                rms_norm_eps=1e-5, n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
+                moe_intermediate_size=32, n_shared_experts=1, routed_scaling_factor=2.5, first_k_dense_replace=1,
+                norm_topk_prob=True, use_qk_norm=True, attention_bias=True,
+                rope_parameters={"rope_theta": 10000.0, "rope_type": "default", "partial_rotary_factor": 0.5},
+                num_nextn_predict_layers=1)
+
+
+def test_glm_style_routing_is_read_into_megatron_cores_options():
+    from megatron_dapo.policy.model import moe_options
+
+    spec = model_spec_from_hf(GLM4_MOE)
+    assert spec.moe_layers == (False, True, True, True) and spec.qk_layernorm and spec.qkv_bias
+    assert (spec.rotary_percent, spec.shared_expert_ffn_hidden_size, spec.mtp_layers) == (0.5, 32, 1)
+    options = moe_options(spec, None)
+    assert {k: options[k] for k in ("moe_router_score_function", "moe_router_enable_expert_bias",
+                                    "moe_router_bias_update_rate", "moe_router_num_groups", "moe_router_group_topk",
+                                    "moe_router_topk_scaling_factor", "moe_shared_expert_intermediate_size",
+                                    "moe_layer_freq", "moe_aux_loss_coeff")} == {
+        "moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True,
+        "moe_router_bias_update_rate": 0.0, "moe_router_num_groups": 2, "moe_router_group_topk": 1,
+        "moe_router_topk_scaling_factor": 2.5, "moe_shared_expert_intermediate_size": 32,
+        "moe_layer_freq": [0, 1, 1, 1], "moe_aux_loss_coeff": 0.0}
+    # older configs keep partial_rotary_factor at the top level
+    top = {k: v for k, v in GLM4_MOE.items() if k != "rope_parameters"}
+    assert model_spec_from_hf({**top, "partial_rotary_factor": 0.5, "rope_theta": 1e6}).rotary_percent == 0.5
+    # the expert bias and the shared expert in the names, the bias kept in fp32
+    names = megatron_names(spec)
+    assert "decoder.layers.1.mlp.router.expert_bias" in names and "decoder.layers.0.mlp.router.expert_bias" not in names
+    assert hf_names("decoder.layers.1.mlp.shared_experts.linear_fc1.weight", spec) == [
+        "model.layers.1.mlp.shared_experts.gate_proj.weight", "model.layers.1.mlp.shared_experts.up_proj.weight"]
+    assert tp_dim("decoder.layers.1.mlp.shared_experts.linear_fc2.weight") == 1
+    assert hf_shape("model.layers.1.mlp.gate.e_score_correction_bias", spec) == (8,)
+
+
+@pytest.mark.parametrize("override,message", [
+    (dict(n_group=3), "n_group: 3 does not divide n_routed_experts 8"),
+    (dict(num_experts_per_tok=4), "n_group: grouped routing with num_experts_per_tok 4 and topk_group 1"),
+    (dict(norm_topk_prob=False), "norm_topk_prob: false is not supported with sigmoid routing"),
+    (dict(topk_group=3), r"topk_group: must be a whole number in \[1, 2\]"),
+    (dict(first_k_dense_replace=4), r"first_k_dense_replace: must be a whole number in \[0, 3\]"),
+    (dict(routed_scaling_factor=float("nan")), "routed_scaling_factor: must be a finite number > 0"),
+    (dict(n_routed_experts=None), "n_routed_experts: missing"),
+    (dict(rope_parameters={"rope_theta": 1e4, "partial_rotary_factor": 0.1875}), "partial_rotary_factor: must be in"),
+])
+def test_bad_glm_config_names_the_key(override, message):
+    config = {k: v for k, v in {**GLM4_MOE, **override}.items() if v is not None}
+    with pytest.raises(ConfigError, match=message):
+        model_spec_from_hf(config)
+
+
+def test_a_checkpoints_multi_token_prediction_layer_is_left_out(tmp_path, caplog):
+    from safetensors.torch import save_file
+
+    from megatron_dapo.checkpoint.safetensors_io import HFCheckpoint
+
+    spec = model_spec_from_hf(GLM4_MOE)
+    tensors = {n: torch.zeros(hf_shape(n, spec)) for n in expected_hf_names(spec)}
+    tensors["model.layers.4.eh_proj.weight"] = torch.zeros(64, 128)  # GLM-4.5's MTP layer, after the 4 decoder's
+    save_file(tensors, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text(__import__("json").dumps(GLM4_MOE))
+    HFCheckpoint(tmp_path).validate(spec)
+    assert "leaving out its 1 multi-token prediction layer(s) (model.layers.4 on" in caplog.text
+    tensors["model.layers.5.eh_proj.weight"] = torch.zeros(64, 128)  # past it: another model
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(Exception, match="model.layers.5.eh_proj.weight' is not part of a Glm4MoeForCausalLM"):
+        HFCheckpoint(tmp_path).validate(spec)

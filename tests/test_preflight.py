@@ -39,9 +39,14 @@ def config(path: Path, *overrides: str, demo_model: Path | None = None):
     return load_config(path, [*model, *overrides])
 
 
+# Trainer GPUs of the configs whose trainer is not as large as their servers (preflight's assumption): their header
+# says how to check them
+TRAINER_GPUS = {"glm-4.5-air-dapo.yaml": 64}
+
+
 @pytest.mark.parametrize("name", sorted(p.name for p in CONFIGS.glob("*.yaml")))
 def test_every_shipped_config_passes(name, demo_model):
-    report = preflight(config(CONFIGS / name, demo_model=demo_model))
+    report = preflight(config(CONFIGS / name, demo_model=demo_model), Hardware(gpus=TRAINER_GPUS.get(name)))
     report.raise_first_failure()
     text = report.render()
     assert "trainer stage 0" in text and "total" in text and "checks" in text
@@ -241,3 +246,19 @@ def test_the_engine_gets_the_request_timeout(tmp_path):
                            ['rollout.server_urls=["http://127.0.0.1:1"]', "rollout.request_timeout_s=1234.0"])
     engine = sglang_engine(cfg, tmp_path)
     assert engine.timeout == 1234.0
+
+
+def test_the_glm_45_air_config_fits_10_nodes_and_says_why_not_4():
+    """Issue 50: GLM-4.5-style routing's launch config (its architecture shipped in launch/models/). Its 64 trainer
+    GPUs fit; on 32 (4 nodes, with none left to serve) the trainer alone is over an H100's 80 GB."""
+    from megatron_dapo.preflight.estimate import trainer_memory
+
+    cfg = load_config(CONFIGS / "glm-4.5-air-dapo.yaml")
+    spec, _ = model_architecture(cfg.model.path)
+    assert spec.architecture == "Glm4MoeForCausalLM" and spec.shared_expert_ffn_hidden_size == 1408
+    assert spec.moe_layers == (False,) + (True,) * 45 and spec.rotary_percent == 0.5 and spec.expert_bias
+    assert round(model_parameters(spec) / 1e9, 2) == 106.85  # without its multi-token prediction layer
+    report = preflight(cfg, Hardware(gpus=64))
+    assert "warning" not in report.text and "trainer   64 GPUs = TP2 x PP2 x DP16, experts over EP16" in report.text
+    four_nodes = trainer_memory(cfg, spec, trainer_layout(cfg, spec, 32))
+    assert min(stage.total for stage in four_nodes) > 80e9

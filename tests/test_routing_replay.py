@@ -62,3 +62,15 @@ def test_a_sequence_without_routes_is_refused_by_name(runs):
     results, _ = runs
     assert results["missing"].startswith("sequence 1 has no routes, and routing replay is on")
     assert "never falls back to the trainer's own routing" in results["missing"]
+
+
+@pytest.mark.parametrize("layout", ["tp1-ep2-pp1", "tp2-ep2-pp1-sp"])
+def test_glm_style_routes_replayed_are_transformers_forced_to_them(runs, layout):
+    """Issue 50: GLM-4.5-style routing (sigmoid scores with the expert bias, grouped top-k) replayed at EP 2: the
+    log-probs are transformers' with its routers forced to the same routes (their sigmoid scores at those experts,
+    renormalised and scaled; the bias only chooses, so it plays no part), within 1e-5."""
+    results, _ = runs
+    found = results[f"glm4_moe-{layout}"]
+    assert all(own > 1e-2 for _, own in found)  # the random routes are not the routers' own
+    errors = [e for e, _ in found if e is not None]
+    assert errors and max(errors) < 1e-5, found

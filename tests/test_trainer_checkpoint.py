@@ -31,9 +31,11 @@ LAYOUTS = {"tp2-pp1-dp1": "2,1", "tp1-pp2-dp1": "1,2", "tp1-pp1-dp2": "1,1", "tp
            "tp1-pp1-dp2-bf16": "1,1,bf16", "tp1-pp1-dp2-nodist-bf16": "1,1,nodist,bf16",
            "tp1-pp1-dp2-bf16-llama": "1,1,bf16,llama", "tp1-pp1-dp2-nodist-bf16-llama": "1,1,nodist,bf16,llama",
            "tp1-pp1-dp2-bf16-ep2-moe": "1,1,bf16,moe",  # a Qwen3-MoE, its 4 experts over 2 expert-parallel ranks
+           "tp1-pp1-dp2-bf16-ep2-glm": "1,1,bf16,glm",  # GLM-4.5-style routing: 8 experts, a shared one, the bias
            "tp1-pp1-cp2-dp1-bf16": "1,1,bf16,cp"}  # context parallelism: the optimizer state split over CP
-# of the 4-layer tiny models (Llama has no qkv biases; the Qwen3-MoE has 3 layers of a router and 4 experts)
-HF_TENSORS = {"qwen2": 51, "llama": 39, "moe": 77}
+# of the 4-layer tiny models (Llama has no qkv biases; the Qwen3-MoE has 3 layers of a router and 4 experts; the
+# GLM-4.5-style one a dense layer, then 3 of a router, its expert bias, 8 experts and a shared one)
+HF_TENSORS = {"qwen2": 51, "llama": 39, "moe": 77, "glm": 137}
 RESHARD = ("1,2", "tp2-pp1-dp1")  # resumed at TP=1 x PP=2 from the TP=2 checkpoint
 
 
@@ -61,7 +63,7 @@ def full_extra(step):
 def test_resumed_step_is_bitwise_the_uninterrupted_one(runs, tag):
     full, full_w = load_run(runs, tag, "full")
     resumed, resumed_w = load_run(runs, tag, "resume")
-    model = "llama" if tag.endswith("llama") else "moe" if tag.endswith("moe") else "qwen2"
+    model = next((m for m in ("llama", "moe", "glm") if tag.endswith(m)), "qwen2")
     assert len(full_w) == HF_TENSORS[model] and full_w.keys() == resumed_w.keys()  # every HF tensor of the model
     changed = [k for k in full_w if not torch.equal(full_w[k], resumed_w[k])]
     assert not changed, f"weights after step 4 differ: {changed[:5]}"

@@ -20,6 +20,7 @@ from megatron_dapo.checkpoint.hf_mapping import (
     hf_names,
     hf_shape,
     hf_tensors,
+    kept_dtype,
     megatron_names,
     renumber_expert,
     tp_dim,
@@ -30,6 +31,7 @@ from megatron_dapo.checkpoint.safetensors_io import CheckpointError, write_hf_ch
 from megatron_dapo.config import ParallelConfig
 from megatron_dapo.policy.finite_weights import nonfinite_on_any_rank
 from megatron_dapo.policy.hf_config import ModelSpec
+from megatron_dapo.policy.model import named_weights
 
 _LAYER_PREFIX = "decoder.layers."
 
@@ -67,8 +69,9 @@ def iter_hf_tensors(model: torch.nn.Module, spec: ModelSpec, parallel: ParallelC
     are collective)."""
     from megatron.core import parallel_state
 
-    params = dict(model.named_parameters())
-    # Megatron keeps some tensors (norms) in fp32 whatever the model's dtype: export in the model's dtype.
+    params = dict(named_weights(model))
+    # Megatron keeps some tensors (norms) in fp32 whatever the model's dtype: export in the model's dtype (the
+    # expert bias in fp32, as Hugging Face checkpoints keep it: kept_dtype).
     dtype = model.config.params_dtype
     device = next(iter(params.values())).device
     stage = parallel_state.get_pipeline_model_parallel_rank()
@@ -85,7 +88,7 @@ def iter_hf_tensors(model: torch.nn.Module, spec: ModelSpec, parallel: ParallelC
         owner = _owner(mname, spec, parallel)
         holds = stage == owner[0] and (first_dp if owner[1] is None else ep_rank == owner[1] and first_expert_dp)
         if holds:
-            local = params[_local_name(mname, spec, parallel, *owner)].detach().to(dtype)
+            local = params[_local_name(mname, spec, parallel, *owner)].detach().to(kept_dtype(mname, dtype))
             if tp_dim(mname) is None or parallel.tensor_parallel == 1:
                 shards = [local]
             else:
@@ -102,7 +105,7 @@ def iter_hf_tensors(model: torch.nn.Module, spec: ModelSpec, parallel: ParallelC
                 if me in receivers:
                     yield name, tensors[name]
             elif me in receivers:
-                buf = torch.empty(hf_shape(name, spec), dtype=dtype, device=device)
+                buf = torch.empty(hf_shape(name, spec), dtype=kept_dtype(mname, dtype), device=device)
                 dist.recv(buf, src=sender[owner])
                 yield name, buf
 

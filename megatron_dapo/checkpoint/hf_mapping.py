@@ -16,7 +16,9 @@ A mixture of experts' layer (Qwen3-MoE) holds a router (`mlp.router.weight`, HF'
 its pre-MLP norm as a module of its own in both specs, and its experts, each whole on one expert-parallel
 rank (no expert tensor parallelism): the local spec's `mlp.experts.local_experts.{j}.linear_fc1/fc2`,
 TE's grouped `mlp.experts.linear_fc1.weight{j}`. Global names number the experts over all
-expert-parallel ranks, as they number the layers over all stages.
+expert-parallel ranks, as they number the layers over all stages. GLM-4.5's layers add the router's expert bias
+(`mlp.router.expert_bias`, HF's `mlp.gate.e_score_correction_bias`: a buffer, kept in fp32 on both sides) and a
+shared expert (`mlp.shared_experts.linear_fc1/fc2`, split over TP as a dense MLP is).
 """
 
 from __future__ import annotations
@@ -54,7 +56,12 @@ _LAYER_DIRECT = {
     "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
     "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
     "mlp.router.weight": "mlp.gate.weight",
+    "mlp.router.expert_bias": "mlp.gate.e_score_correction_bias",
+    "mlp.shared_experts.linear_fc2.weight": "mlp.shared_experts.down_proj.weight",
 }
+# Megatron tensors kept in fp32 whatever the model's dtype (and so in the exported files): the expert bias, which
+# only orders the experts' scores, where bf16 would tie them.
+FP32_SUFFIXES = ("mlp.router.expert_bias",)
 # Tensor-parallel split dimension of each Megatron suffix (None: replicated).
 _LAYER_TP_DIM = {
     "self_attention.linear_qkv.weight": 0,
@@ -62,6 +69,8 @@ _LAYER_TP_DIM = {
     "self_attention.linear_proj.weight": 1,
     "mlp.linear_fc1.weight": 0,
     "mlp.linear_fc2.weight": 1,
+    "mlp.shared_experts.linear_fc1.weight": 0,
+    "mlp.shared_experts.linear_fc2.weight": 1,
 }
 
 
@@ -128,8 +137,9 @@ def hf_names(mname: str, spec: ModelSpec) -> list[str]:
     if suffix in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
         kind = suffix.rsplit(".", 1)[1]
         return [f"{prefix}self_attn.{p}_proj.{kind}" for p in "qkv"]
-    if suffix == "mlp.linear_fc1.weight":
-        return [prefix + "mlp.gate_proj.weight", prefix + "mlp.up_proj.weight"]
+    if suffix in ("mlp.linear_fc1.weight", "mlp.shared_experts.linear_fc1.weight"):
+        mlp = suffix.removesuffix("linear_fc1.weight")
+        return [f"{prefix}{mlp}gate_proj.weight", f"{prefix}{mlp}up_proj.weight"]
     raise MappingError(f"no Hugging Face counterpart for Megatron tensor {mname!r}")
 
 
@@ -140,6 +150,10 @@ def megatron_names(spec: ModelSpec, *, te_names: bool = False) -> list[str]:
         attention = ["input_layernorm.weight", "self_attention.linear_qkv.weight", "self_attention.linear_proj.weight"]
         if sparse:  # the pre-MLP norm stays a module of its own beside the router, in both specs
             mlp = ["pre_mlp_layernorm.weight", "mlp.router.weight"]
+            if spec.expert_bias:
+                mlp.append("mlp.router.expert_bias")
+            if spec.shared_expert_ffn_hidden_size:
+                mlp += ["mlp.shared_experts.linear_fc1.weight", "mlp.shared_experts.linear_fc2.weight"]
             for j in range(spec.num_experts):
                 mlp += ([f"mlp.experts.linear_fc1.weight{j}", f"mlp.experts.linear_fc2.weight{j}"] if te_names else
                         [f"mlp.experts.local_experts.{j}.linear_fc1.weight",
@@ -198,12 +212,24 @@ def hf_shape(hf_name: str, spec: ModelSpec) -> tuple[int, ...]:
         "q_norm.weight": (d,), "k_norm.weight": (d,),
         "gate_proj.weight": (spec.ffn_hidden_size, h), "up_proj.weight": (spec.ffn_hidden_size, h),
         "down_proj.weight": (h, spec.ffn_hidden_size), "gate.weight": (spec.num_experts, h),
+        "gate.e_score_correction_bias": (spec.num_experts,),
     }
     key = ".".join(hf_name.split(".")[-2:])
-    if ".mlp.experts." in hf_name:  # an expert's MLP is moe_intermediate_size wide
-        f = spec.moe_ffn_hidden_size
+    if ".mlp.experts." in hf_name or ".mlp.shared_experts." in hf_name:  # moe_intermediate_size wide (x shared)
+        f = spec.moe_ffn_hidden_size if ".mlp.experts." in hf_name else spec.shared_expert_ffn_hidden_size
         return {"gate_proj.weight": (f, h), "up_proj.weight": (f, h), "down_proj.weight": (h, f)}[key]
     return table[key]
+
+
+def kept_dtype(mname: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype Megatron tensor `mname` is kept and exported in, in a model of `dtype` (FP32_SUFFIXES)."""
+    return torch.float32 if mname.endswith(FP32_SUFFIXES) else dtype
+
+
+def mtp_layer(hf_name: str, spec: ModelSpec) -> bool:
+    """Whether `hf_name` is a multi-token prediction layer's (ModelSpec.mtp_layers: after the decoder's layers)."""
+    match = re.match(r"^model\.layers\.(\d+)\.", hf_name)
+    return match is not None and spec.num_layers <= int(match.group(1)) < spec.num_layers + spec.mtp_layers
 
 
 def megatron_shape(mname: str, spec: ModelSpec, padded_vocab_size: int) -> tuple[int, ...]:

@@ -11,7 +11,7 @@ import torch
 from megatron_dapo.checkpoint.hf_mapping import MappingError, megatron_shard, renumber_expert
 from megatron_dapo.config import ParallelConfig
 from megatron_dapo.policy.hf_config import ModelSpec
-from megatron_dapo.policy.model import padded_vocab_size
+from megatron_dapo.policy.model import named_weights, padded_vocab_size
 from megatron_dapo.policy.train_step import PolicyTrainer
 
 _LOCAL_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
@@ -36,14 +36,14 @@ def expert_offset(spec: ModelSpec, parallel: ParallelConfig, ep_rank: int) -> in
 @torch.no_grad()
 def load_hf_weights(model: torch.nn.Module, get: Callable[[str], torch.Tensor], spec: ModelSpec,
                     parallel: ParallelConfig) -> None:
-    """Fill every parameter of this rank's model stage from `get(hf_name)`."""
+    """Fill every weight of this rank's model stage (policy.model.named_weights) from `get(hf_name)`."""
     from megatron.core import parallel_state
 
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     offset = layer_offset(spec, parallel, parallel_state.get_pipeline_model_parallel_rank())
     experts = expert_offset(spec, parallel, parallel_state.get_expert_model_parallel_rank())
     vocab = padded_vocab_size(spec.vocab_size, parallel.tensor_parallel)
-    for name, param in model.named_parameters():
+    for name, param in named_weights(model):
         mname = global_name(name, offset, experts)
         shard = megatron_shard(mname, get, spec, tp_rank=tp_rank, tp_size=parallel.tensor_parallel,
                                padded_vocab_size=vocab)

@@ -64,6 +64,7 @@ from torch.distributed.checkpoint.planner import (
 from megatron_dapo.checkpoint.hf_mapping import (
     TE_FUSED_NORMS,
     expert_of,
+    kept_dtype,
     megatron_names,
     megatron_shard,
     megatron_shape,
@@ -122,7 +123,7 @@ def stored(mname: str, spec: ModelSpec) -> Stored:
 
 
 def stored_dtype(mname: str, dtype: torch.dtype) -> torch.dtype:
-    return torch.float32 if "layernorm" in mname else dtype
+    return torch.float32 if "layernorm" in mname else kept_dtype(mname, dtype)
 
 
 def _tp_chunks(mname: str, shape: tuple[int, ...], tp: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:

@@ -30,6 +30,7 @@ from megatron_dapo.checkpoint.hf_mapping import (
     MappingError,
     expected_hf_names,
     hf_shape,
+    mtp_layer,
 )
 from megatron_dapo.errors import DapoError
 from megatron_dapo.policy.hf_config import ModelSpec
@@ -135,7 +136,7 @@ class HFCheckpoint:
         """Every expected tensor is there with the shape config.json implies, and nothing else is."""
         expected = expected_hf_names(spec)
         for name in self.names():
-            if name in expected or name.endswith(HF_DERIVED_SUFFIXES):
+            if name in expected or name.endswith(HF_DERIVED_SUFFIXES) or mtp_layer(name, spec):
                 continue
             if name == HF_OUTPUT and spec.tie_word_embeddings:
                 if not torch.equal(self.get(name), self.get(HF_EMBEDDING)):
@@ -153,6 +154,10 @@ class HFCheckpoint:
         for name in self.names():
             if name.endswith(HF_DERIVED_SUFFIXES):
                 log.warning("%s: ignoring %s, which the config's rotary settings define", self.path, name)
+        if spec.mtp_layers and any(mtp_layer(n, spec) for n in self.names()):
+            log.warning("%s: leaving out its %d multi-token prediction layer(s) (model.layers.%d on, "
+                        "num_nextn_predict_layers): they are not trained, and exports do not hold them (SGLang "
+                        "serves without speculative MTP from them)", self.path, spec.mtp_layers, spec.num_layers)
 
 
 def holds_checkpoint(path: Path) -> bool:

@@ -17,8 +17,9 @@ SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": (False, False),
     "Qwen3ForCausalLM": (False, True),
     "Qwen3MoeForCausalLM": (False, True),
+    "Glm4MoeForCausalLM": (False, False),  # q/k norms as config.json's use_qk_norm says
 }
-MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM",)
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Glm4MoeForCausalLM")
 # Mixtures of experts whose layers megatron-core could build but whose mapping is not written yet: refused by name.
 REFUSED_ARCHITECTURES = {
     "Qwen2MoeForCausalLM": "its shared expert and the shared expert's gate are not mapped yet",
@@ -72,6 +73,21 @@ class ModelSpec:
     # softmax over all experts.
     norm_topk_prob: bool = False
     router_aux_loss_coef: float = 0.0
+    # GLM-4.5-style routing (DeepSeek-V3's): "sigmoid" scores, with a per-expert bias (config.json's
+    # e_score_correction_bias) added for the choice only; the token's best `moe_group_topk` of `moe_groups` groups
+    # of experts first (0: no groups); the k probabilities times `routed_scaling_factor`
+    router_score: str = "softmax"
+    expert_bias: bool = False
+    moe_groups: int = 0
+    moe_group_topk: int = 0
+    routed_scaling_factor: float = 1.0
+    # A shared expert beside the routed ones in every MoE layer, this wide (0: none)
+    shared_expert_ffn_hidden_size: int = 0
+    # The share of each head's dimensions the rotary embedding turns (the first ones); the rest pass unrotated
+    rotary_percent: float = 1.0
+    # Multi-token prediction layers a checkpoint holds after the decoder's (GLM-4.5's num_nextn_predict_layers):
+    # not trained or exported here
+    mtp_layers: int = 0
 
     @property
     def is_moe(self) -> bool:
@@ -136,6 +152,8 @@ def model_spec_from_hf(config) -> ModelSpec:
     if heads % groups:
         raise ConfigError(f"num_key_value_heads: {groups} does not divide num_attention_heads {heads}")
     default_bias, qk_norm = SUPPORTED_ARCHITECTURES[arch]
+    if arch == "Glm4MoeForCausalLM":
+        qk_norm = bool(config.get("use_qk_norm", False))
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
     rope_theta, rope_scaling = _rope(config)
     if not (math.isfinite(rope_theta) and rope_theta > 0):
@@ -156,8 +174,23 @@ def model_spec_from_hf(config) -> ModelSpec:
         qk_layernorm=qk_norm,
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
         rope_scaling=rope_scaling,
-        **(_moe_fields(config) if arch in MOE_ARCHITECTURES else {}),
+        rotary_percent=_rotary_percent(config),
+        **(_moe_fields(config) if arch == "Qwen3MoeForCausalLM" else {}),
+        **(_glm_moe_fields(config) if arch == "Glm4MoeForCausalLM" else {}),
     )
+
+
+def _rotary_percent(config: dict) -> float:
+    """partial_rotary_factor, where transformers 5 reads it (rope_parameters) or older configs put it (the top
+    level): the rotary embedding turns the first head_dim x factor dimensions."""
+    factor = (config.get("rope_parameters") or {}).get("partial_rotary_factor",
+                                                        config.get("partial_rotary_factor", 1.0))
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    if not isinstance(factor, (int, float)) or isinstance(factor, bool) or not 0 < factor <= 1 \
+            or int(head_dim * factor) % 2:
+        raise ConfigError(f"partial_rotary_factor: must be in (0, 1] and turn an even number of head_dim {head_dim}'s "
+                          f"dimensions, got {factor!r}")
+    return float(factor)
 
 
 WHOLE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size",
@@ -176,6 +209,52 @@ def _check_numbers(config: dict) -> None:
     eps = config["rms_norm_eps"]
     if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not (math.isfinite(eps) and 0 < eps < 1):
         raise ConfigError(f"rms_norm_eps: must be a number in (0, 1) in config.json, got {eps!r}")
+
+
+def _glm_moe_fields(config: dict) -> dict:
+    """GLM-4.5's experts and router as transformers builds them (Glm4MoeTopkRouter): sigmoid scores, the bias
+    e_score_correction_bias added for the choice, the best topk_group of n_group groups (each scored by its two best
+    experts), the top k of those; the k scores renormalised (norm_topk_prob) and times routed_scaling_factor; a
+    shared expert of n_shared_experts x moe_intermediate_size; the first first_k_dense_replace layers dense."""
+    missing = [k for k in ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size") if k not in config]
+    if missing:
+        raise ConfigError(f"{missing[0]}: missing from config.json (needed for GLM-4.5's experts)")
+    experts, topk = config["n_routed_experts"], config["num_experts_per_tok"]
+    layers = config["num_hidden_layers"]
+    for key, value, low, high in (("n_routed_experts", experts, 1, None), ("num_experts_per_tok", topk, 1, experts),
+                                  ("n_group", config.get("n_group", 1), 1, experts),
+                                  ("topk_group", config.get("topk_group", 1), 1, config.get("n_group", 1)),
+                                  ("first_k_dense_replace", config.get("first_k_dense_replace", 0), 0, layers - 1),
+                                  ("n_shared_experts", config.get("n_shared_experts", 0), 0, None),
+                                  ("num_nextn_predict_layers", config.get("num_nextn_predict_layers", 0), 0, None)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < low or (high is not None and value > high):
+            raise ConfigError(f"{key}: must be a whole number in [{low}, {high if high is not None else 'inf'}] in "
+                              f"config.json, got {value!r}")
+    groups, group_topk = config.get("n_group", 1), config.get("topk_group", 1)
+    if experts % groups:
+        raise ConfigError(f"n_group: {groups} does not divide n_routed_experts {experts}")
+    if groups > 1 and topk != 2 * group_topk:
+        # transformers scores a group by its 2 best experts, megatron-core by its top (num_experts_per_tok /
+        # topk_group): the same choice only where that is 2 (DeepSeek-V3: 8 / 4)
+        raise ConfigError(f"n_group: grouped routing with num_experts_per_tok {topk} and topk_group {group_topk} is "
+                          "not supported: megatron-core scores a group by its top num_experts_per_tok / topk_group "
+                          "experts and transformers by its top 2; supported where num_experts_per_tok = 2 x "
+                          "topk_group, or with n_group 1")
+    if not config.get("norm_topk_prob", False) and topk > 1:
+        raise ConfigError("norm_topk_prob: false is not supported with sigmoid routing (megatron-core renormalises "
+                          "the k scores); set it as the checkpoint was trained, which is true for GLM-4.5")
+    scaling = config.get("routed_scaling_factor", 1.0)
+    if not isinstance(scaling, (int, float)) or isinstance(scaling, bool) or not (math.isfinite(scaling)
+                                                                                  and scaling > 0):
+        raise ConfigError(f"routed_scaling_factor: must be a finite number > 0 in config.json, got {scaling!r}")
+    dense = config.get("first_k_dense_replace", 0)
+    return {"num_experts": experts, "moe_topk": topk, "moe_ffn_hidden_size": config["moe_intermediate_size"],
+            "moe_layers": tuple(i >= dense for i in range(layers)), "norm_topk_prob": True,
+            "router_aux_loss_coef": 0.0, "router_score": "sigmoid", "expert_bias": True,
+            "moe_groups": groups if groups > 1 else 0, "moe_group_topk": group_topk if groups > 1 else 0,
+            "routed_scaling_factor": float(scaling),
+            "shared_expert_ffn_hidden_size": config.get("n_shared_experts", 0) * config["moe_intermediate_size"],
+            "mtp_layers": config.get("num_nextn_predict_layers", 0)}
 
 
 def _moe_fields(config: dict) -> dict:

@@ -31,6 +31,9 @@ def check_divisibility(spec: ModelSpec, parallel: ParallelConfig) -> None:
         checks.append(("intermediate_size", spec.ffn_hidden_size, tp, "parallel.tensor_parallel"))
     if spec.is_moe:
         checks.append(("num_experts", spec.num_experts, ep, "parallel.expert_parallel"))
+    if spec.shared_expert_ffn_hidden_size:  # split over TP like a dense MLP
+        checks.append(("n_shared_experts x moe_intermediate_size", spec.shared_expert_ffn_hidden_size, tp,
+                       "parallel.tensor_parallel"))
     for key, value, size, size_key in checks:
         if value % size:
             raise ConfigError(f"{key}: {value} is not divisible by {size_key} = {size}; choose a size that divides it")
@@ -125,8 +128,9 @@ def transformer_config(spec: ModelSpec, parallel: ParallelConfig, params_dtype: 
 
 def moe_options(spec: ModelSpec, aux_loss_coef: float | None, routing_replay: bool = False) -> dict:
     """megatron-core's TransformerConfig fields for the model's experts and router, routing as transformers
-    does: a softmax over the experts and their top k; with norm_topk_prob the k probabilities renormalised, which
-    is the softmax over the k logits (megatron's moe_router_pre_softmax False), else the softmax over all.
+    does: Qwen3-MoE's, a softmax over the experts and their top k; with norm_topk_prob the k probabilities
+    renormalised, which is the softmax over the k logits (megatron's moe_router_pre_softmax False), else the softmax
+    over all; GLM-4.5's, glm_routing_options.
     `aux_loss_coef`: the load-balancing loss's coefficient, None for config.json's router_aux_loss_coef.
     `routing_replay`: the routers take the experts each token is given (policy/routing_replay.py)."""
     if not spec.is_moe:
@@ -149,6 +153,26 @@ def moe_options(spec: ModelSpec, aux_loss_coef: float | None, routing_replay: bo
         "moe_router_fusion": False,
         "moe_permute_fusion": False,
         "moe_enable_routing_replay": routing_replay,
+        **glm_routing_options(spec),
+    }
+
+
+def glm_routing_options(spec: ModelSpec) -> dict:
+    """GLM-4.5-style routing (hf_config._glm_moe_fields) in megatron-core's terms. The expert bias is kept as the
+    checkpoint has it (update rate 0): megatron-core would move it after every step towards an even load (DeepSeek-V3's
+    aux-loss-free balancing in pre-training), which would change which experts the policy chooses outside the loss,
+    and the servers would route by another bias than the trainer; with routing replay it chooses nothing in training
+    anyway (the routes are given; the probabilities are the sigmoid scores without it)."""
+    if spec.router_score != "sigmoid":
+        return {}
+    return {
+        "moe_router_score_function": "sigmoid",
+        "moe_router_enable_expert_bias": spec.expert_bias,
+        "moe_router_bias_update_rate": 0.0,
+        "moe_router_num_groups": spec.moe_groups or None,
+        "moe_router_group_topk": spec.moe_group_topk or None,
+        "moe_router_topk_scaling_factor": spec.routed_scaling_factor,
+        "moe_shared_expert_intermediate_size": spec.shared_expert_ffn_hidden_size or None,
     }
 
 
@@ -217,6 +241,7 @@ def build_model(spec: ModelSpec, parallel: ParallelConfig, *, pre_process: bool,
         share_embeddings_and_output_weights=spec.tie_word_embeddings,
         position_embedding_type="rope",
         rotary_base=int(spec.rope_theta),
+        rotary_percent=spec.rotary_percent,
     )
     if spec.rope_scaling is not None:
         # Llama 3's scaling. GPTModel(rope_scaling=True) fixes low / high frequency factors 1 / 4 and an original
@@ -236,3 +261,12 @@ def build_model(spec: ModelSpec, parallel: ParallelConfig, *, pre_process: bool,
 
         forget_global_instances()
     return model
+
+
+def named_weights(model):
+    """The model stage's tensors that a checkpoint holds: its parameters, and the routers' expert bias (GLM-4.5's),
+    a buffer in megatron-core (no gradient: it moves by its own rule, here not at all: glm_routing_options)."""
+    yield from model.named_parameters()
+    for name, buffer in model.named_buffers():
+        if name.endswith("router.expert_bias"):
+            yield name, buffer

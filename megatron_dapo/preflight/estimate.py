@@ -238,6 +238,7 @@ def activation_bytes(spec: ModelSpec, tp: int, dtype_bytes: int, sparse: bool = 
     if sparse:  # each token's top k copies, dispatched and combined, through SwiGLU experts of moe_ffn_hidden_size
         k = spec.moe_topk
         mlp = (k * (3 * h + 4 * spec.moe_ffn_hidden_size)) / (tp if sequence_parallel else 1)
+        mlp += 4 * spec.shared_expert_ffn_hidden_size / tp  # a shared expert: every token, split over TP
     elements = 4 * h / (tp if sequence_parallel else 1) + (q + 2 * kv) / tp + q / tp + mlp
     router = 4 * spec.num_experts * 2 if sparse else 0  # fp32 logits and probabilities over the experts
     return dtype_bytes * elements + 4 * spec.num_attention_heads / tp + router

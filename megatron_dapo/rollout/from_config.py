@@ -50,7 +50,7 @@ def check_served_as_trained(spec) -> None:
     """SGLang 0.5.23 builds every Qwen3-MoE layer with experts (its stage_facts ignores mlp_only_layers and
     decoder_sparse_step): a dense layer's MLP would not load, and the server would sample from another model."""
     dense = [i for i, sparse in enumerate(spec.moe_layers) if not sparse]
-    if spec.is_moe and dense:
+    if spec.architecture == "Qwen3MoeForCausalLM" and dense:  # GLM-4.5's dense first layers it builds as such
         raise ConfigError(f"model.path: layers {dense} of this {spec.architecture} are dense (mlp_only_layers / "
                           "decoder_sparse_step), and SGLang serves every Qwen3-MoE layer with experts, so it would "
                           "sample from a different model: use a model with experts in every layer (as Qwen3-30B-A3B "

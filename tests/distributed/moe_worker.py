@@ -1,5 +1,6 @@
 """torchrun worker (4 processes): a tiny Qwen3-MoE policy at (TP, EP, PP) layouts against transformers, and one
-training step at several splits.
+training step at several splits; a tiny GLM-4.5-style MoE (sigmoid routing with an expert bias, grouped top-k, a
+shared expert, a dense first layer, partial rotary) at three layouts against transformers.
 
 Writes into the folder argv[1]:
 - parity.json from global rank 0: {layout: [{max_abs_logp, max_abs_entropy, tokens}]} gathered from the ranks
@@ -35,6 +36,8 @@ from megatron_dapo.weight_sync.buckets import iter_hf_buckets
 
 # (tensor, expert, pipeline) parallel, sequence parallel
 PARITY = [(1, 1, 1, False), (1, 2, 1, False), (2, 2, 1, True), (1, 2, 2, False)]
+# GLM-4.5-style routing (tiny_models' glm4_moe): whole, at TP2 + SP x EP2, and over two pipeline stages
+GLM_PARITY = [(1, 1, 1, False), (2, 2, 1, True), (1, 2, 2, False)]
 # ... and the micro-batch token budget, full activation recompute
 TRAINING = [(1, 1, 1, False, 100000, False), (1, 2, 1, False, 62, False), (1, 2, 1, False, 62, True),
             (2, 2, 1, True, 200, False), (1, 2, 2, False, 200, False), (1, 2, 2, False, 200, True)]
@@ -53,7 +56,7 @@ def parallel_config(tp, ep, pp, sp, cp=1) -> ParallelConfig:
                           context_parallel=cp, device="cpu", seed=7)
 
 
-def parity_case(spec, ckpt, seqs, ref, layout, out_dir) -> tuple[dict | None, dict]:
+def parity_case(spec, ckpt, seqs, ref, layout, out_dir, tag: str) -> tuple[dict | None, dict]:
     """This rank's log-prob errors at `layout`, and on global rank 0 whether the HF checkpoint exported from it and
     the weight sync's buckets are the source checkpoint, bitwise."""
     from megatron.core import parallel_state
@@ -64,7 +67,7 @@ def parity_case(spec, ckpt, seqs, ref, layout, out_dir) -> tuple[dict | None, di
                         post_process=parallel_state.is_pipeline_last_stage(), params_dtype=PARITY_DTYPE)
     load_hf_weights(model, ckpt.get, spec, parallel)
     errors = logprob_errors(model.eval(), spec, runtime, seqs, ref)
-    exported = os.path.join(out_dir, f"exported_{layout_tag(*layout)}")
+    exported = os.path.join(out_dir, f"exported_{tag}")
     export_hf_checkpoint(model, spec, parallel, exported, hf_config=ckpt.config, max_shard_bytes=50_000)
     bucketed = {name: t.cpu().clone()
                 for b in iter_hf_buckets(model, spec, parallel, 20_000) for name, t in b.named_tensors()}
@@ -112,25 +115,36 @@ def training_case(out_dir, spec, get, hf, layout, aux_loss_coef: float = 0.0, pl
     reset_parallel_layout()
 
 
-def main(out_dir: str) -> None:
-    hf, _ = hf_model("qwen3_moe")
-    folder = os.path.join(out_dir, f"hf_qwen3_moe_rank{os.environ['RANK']}")  # transformers' own file format
+def checkpoint_of(kind: str, out_dir: str):
+    """(transformers' model, its checkpoint saved in transformers' own file format, the spec)."""
+    hf, _ = hf_model(kind)
+    folder = os.path.join(out_dir, f"hf_{kind}_rank{os.environ['RANK']}")
     hf.save_pretrained(folder)
     ckpt = HFCheckpoint(folder)
     spec = model_spec_from_hf(ckpt.config)
     ckpt.validate(spec)
-    seqs = sequences()
-    ref = hf_response_logprobs(hf, seqs)
+    return hf, ckpt, spec
+
+
+def main(out_dir: str) -> None:
+    # saved before torch.distributed starts: transformers then saves from global rank 0 only
+    models = {kind: checkpoint_of(kind, out_dir) for kind in ("qwen3_moe", "glm4_moe")}
     parity = {}
-    for layout in PARITY:
-        errors, same = parity_case(spec, ckpt, seqs, ref, layout, out_dir)
-        found = [None] * int(os.environ["WORLD_SIZE"])
-        dist.all_gather_object(found, errors)
-        parity[layout_tag(*layout)] = [e for e in found if e is not None]
-        parity[f"export-{layout_tag(*layout)}"] = same
+    for kind, layouts in (("qwen3_moe", PARITY), ("glm4_moe", GLM_PARITY)):
+        hf, ckpt, spec = models[kind]
+        seqs = sequences()
+        ref = hf_response_logprobs(hf, seqs)
+        for layout in layouts:
+            tag = layout_tag(*layout) if kind == "qwen3_moe" else f"{kind}-{layout_tag(*layout)}"
+            errors, same = parity_case(spec, ckpt, seqs, ref, layout, out_dir, tag)
+            found = [None] * int(os.environ["WORLD_SIZE"])
+            dist.all_gather_object(found, errors)
+            parity[tag] = [e for e in found if e is not None]
+            parity[f"export-{tag}"] = same
     if dist.get_rank() == 0:
         with open(os.path.join(out_dir, "parity.json"), "w") as f:
             json.dump(parity, f)
+    hf, ckpt, spec = models["qwen3_moe"]
     for layout in TRAINING:
         training_case(out_dir, spec, ckpt.get, hf, layout)
     training_case(out_dir, spec, ckpt.get, hf, TRAINING[-2], aux_loss_coef=0.01)

@@ -36,6 +36,9 @@ LAYOUTS = [(1, 1, 1, False, 100000, False, 1, False), (1, 2, 1, False, 62, False
            (2, 2, 1, True, 200, False, 1, False), (1, 2, 2, False, 200, True, 1, False),
            (2, 2, 1, True, 130, False, 2, True)]
 
+# GLM-4.5-style routing (tiny_models' glm4_moe), forward only: (TP, EP, PP, SP)
+GLM_LAYOUTS = [(1, 2, 1, False), (2, 2, 1, True)]
+
 
 def tag_of(layout) -> str:
     tp, ep, pp, sp, mb, recompute, cp, packed = layout
@@ -56,16 +59,23 @@ def routed(seqs, spec):
 @contextmanager
 def hf_forced_routes(hf, routes):
     """transformers' routers take `routes` ([tokens, MoE layers, k] of the one sequence in the batch) instead of
-    their top k; the probabilities are their softmax at those experts, renormalised as norm_topk_prob says."""
+    their top k; the probabilities are their scores at those experts as each router makes them: Qwen3-MoE's softmax,
+    renormalised as norm_topk_prob says; GLM-4.5's sigmoid (no expert bias: it only chooses), renormalised and
+    times routed_scaling_factor."""
     moe = [layer.mlp.gate for layer in hf.model.layers if hasattr(layer.mlp, "gate")]
     saved = [g.forward for g in moe]
 
     def forced(gate, index):
         def forward(hidden):
             hidden = hidden.reshape(-1, gate.hidden_dim)
+            chosen = routes[: hidden.shape[0], index].long()
+            if hasattr(gate, "e_score_correction_bias"):
+                logits = torch.nn.functional.linear(hidden.float(), gate.weight.float())
+                top = logits.sigmoid().gather(1, chosen)
+                top = top / (top.sum(-1, keepdim=True) + 1e-20) if gate.norm_topk_prob else top
+                return logits, top * gate.routed_scaling_factor, chosen
             logits = torch.nn.functional.linear(hidden, gate.weight)
             probs = torch.softmax(logits, dtype=torch.float, dim=-1)
-            chosen = routes[: hidden.shape[0], index].long()
             top = probs.gather(1, chosen)
             if gate.norm_topk_prob:
                 top = top / top.sum(-1, keepdim=True)
@@ -174,7 +184,34 @@ def layout_case(out_dir, spec, ckpt, hf, layout, seqs, ref) -> dict:
     return record, missing
 
 
+def glm_case(out_dir, layout) -> tuple[float | None, float]:
+    """GLM-4.5-style routing replayed at `layout`: this rank's log-prob error against transformers forced to the
+    same routes (None where it holds no results), and how far the forced routes are from its own routing's."""
+    from megatron.core import parallel_state
+
+    hf, _ = hf_model("glm4_moe")
+    ckpt = HFCheckpoint(os.path.join(out_dir, f"hf_glm4_moe_rank{os.environ['RANK']}"))  # main() saved it
+    spec = model_spec_from_hf(ckpt.config)
+    seqs = routed(sequences(), spec)
+    ref = hf_forced_logprobs(hf, seqs)
+    own = max((r - o[0]).abs().max().item() for r, o in zip(ref, hf_response_logprobs(hf, seqs)))
+    parallel = parallel_config(*layout)
+    runtime = init_runtime(parallel)
+    model = build_model(spec, parallel, pre_process=parallel_state.is_pipeline_first_stage(),
+                        post_process=parallel_state.is_pipeline_last_stage(), params_dtype=PARITY_DTYPE,
+                        routing_replay=True)
+    load_hf_weights(model, ckpt.get, spec, parallel)
+    out = response_logprobs(model.eval(), seqs, vocab_size=spec.vocab_size, max_positions=96,
+                            max_tokens_per_micro_batch=130, device=runtime.device)
+    del model
+    reset_parallel_layout()
+    error = None if out is None else max((o[0].double().cpu() - r).abs().max().item() for o, r in zip(out, ref))
+    return error, own
+
+
 def main(out_dir: str) -> None:
+    # saved before torch.distributed starts: transformers then saves from global rank 0 only
+    hf_model("glm4_moe")[0].save_pretrained(os.path.join(out_dir, f"hf_glm4_moe_rank{os.environ['RANK']}"))
     hf, _ = hf_model("qwen3_moe")
     folder = os.path.join(out_dir, f"hf_qwen3_moe_rank{os.environ['RANK']}")
     hf.save_pretrained(folder)
@@ -191,6 +228,10 @@ def main(out_dir: str) -> None:
         results[tag_of(layout)] = found
         if missing is not None:
             results["missing"] = missing
+    for layout in GLM_LAYOUTS:
+        found = [None] * dist.get_world_size()
+        dist.all_gather_object(found, glm_case(out_dir, layout))
+        results["glm4_moe-" + layout_tag(*layout)] = found
     if dist.get_rank() == 0:
         with open(os.path.join(out_dir, "replay.json"), "w") as f:
             json.dump(results, f)

@@ -2,6 +2,8 @@
 
 import torch
 from transformers import (
+    Glm4MoeConfig,
+    Glm4MoeForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     Qwen2Config,
@@ -30,6 +32,12 @@ LLAMA32_ROPE = dict(LLAMA3_ROPE, rope_theta=500000.0, factor=32.0, original_max_
 
 TINY_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
                 mlp_only_layers=[1], router_aux_loss_coef=0.001)
+# GLM-4.5's routing (DeepSeek-V3's): sigmoid scores with a per-expert bias for the choice, the best of n_group
+# groups of experts first (each group by its top-2 scores), a shared expert, a routed scaling factor, a dense first
+# layer, q/k norms, QKV biases, and rotary on half of each head
+TINY_GLM = dict(n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, moe_intermediate_size=32,
+                n_shared_experts=1, routed_scaling_factor=2.5, first_k_dense_replace=1, norm_topk_prob=True,
+                use_qk_norm=True, attention_bias=True, partial_rotary_factor=0.5, num_nextn_predict_layers=0)
 
 
 def hf_model(kind: str, seed: int = 0):
@@ -60,6 +68,9 @@ def hf_model(kind: str, seed: int = 0):
         cfg = Qwen3MoeConfig(**TINY, **{**TINY_MOE, "mlp_only_layers": []}, head_dim=24,
                              architectures=["Qwen3MoeForCausalLM"])
         model = Qwen3MoeForCausalLM(cfg)
+    elif kind == "glm4_moe":
+        cfg = Glm4MoeConfig(**TINY, **TINY_GLM, architectures=["Glm4MoeForCausalLM"])
+        model = Glm4MoeForCausalLM(cfg)
     else:
         raise ValueError(kind)
     model = model.float().eval()
@@ -69,6 +80,9 @@ def hf_model(kind: str, seed: int = 0):
                 p.add_(0.1 * torch.randn_like(p))
             if name.endswith("mlp.gate.weight"):  # routers decisive: no near-tie for rounding to flip
                 p.normal_(0.0, 1.0)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # zero at init: a bias that moves the choice
+                b.copy_(0.3 * torch.randn_like(b))
     return model, cfg.to_dict()
 
 

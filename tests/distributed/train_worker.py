@@ -28,6 +28,7 @@ from megatron_dapo.parallel.runtime import init_runtime, reset_parallel_layout, 
 from megatron_dapo.policy.batch import layout_multiples, micro_batches
 from megatron_dapo.policy.forward import response_logprobs
 from megatron_dapo.policy.hf_config import model_spec_from_hf
+from megatron_dapo.policy.model import named_weights
 from megatron_dapo.policy.train_step import LossConfig, OptimConfig, PolicyTrainer, RolloutSample
 
 LENGTHS = ((5, 20), (3, 41), (9, 4), (2, 60), (7, 13), (4, 30), (6, 9), (3, 25))
@@ -50,14 +51,15 @@ def batch(hf):
 
 @torch.no_grad()
 def gathered_hf_state(model, spec, parallel):
-    """The HF tensors this rank holds (tensor-parallel shards gathered; of a mixture of experts, its experts only)."""
+    """The HF tensors this rank holds (tensor-parallel shards gathered; of a mixture of experts, its experts only;
+    GLM-4.5's expert bias, a buffer, too)."""
     from megatron.core import parallel_state
 
     tp_group = parallel_state.get_tensor_model_parallel_group()
     offset = layer_offset(spec, parallel, parallel_state.get_pipeline_model_parallel_rank())
     experts = expert_offset(spec, parallel, parallel_state.get_expert_model_parallel_rank())
     out = {}
-    for name, p in model.named_parameters():
+    for name, p in named_weights(model):
         mname = global_name(name, offset, experts)
         if tp_dim(mname) is None:
             shards = [p.detach().clone()]

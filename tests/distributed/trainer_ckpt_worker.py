@@ -86,7 +86,7 @@ def run_layout(out_dir, mode, layout):
     layout, _, source = layout.partition("@")
     tp, pp, *flags = layout.split(",")
     tp, pp, nodist, bf16, cp = int(tp), int(pp), "nodist" in flags, "bf16" in flags, 2 if "cp" in flags else 1
-    kind = "llama" if "llama" in flags else "qwen3_moe" if "moe" in flags else "qwen2"
+    kind = "llama" if "llama" in flags else "qwen3_moe" if "moe" in flags else "glm4_moe" if "glm" in flags else "qwen2"
     hf, cfg = hf_model(kind)
     spec = model_spec_from_hf(cfg)
     full = mode == "full"
@@ -101,7 +101,8 @@ def run_layout(out_dir, mode, layout):
         get = HFCheckpoint(folder).get
     tag = (f"tp{tp}-pp{pp}" + (f"-cp{cp}" if cp > 1 else "") + f"-dp{runtime.data_parallel}"
            + ("-nodist" if nodist else "") + ("-bf16" if bf16 else "")
-           + ("-llama" if kind == "llama" else "") + ("-ep2-moe" if spec.is_moe else ""))
+           + ("-llama" if kind == "llama" else "") + ("-ep2-moe" if kind == "qwen3_moe" else "")
+           + ("-ep2-glm" if kind == "glm4_moe" else ""))
     root = os.path.join(out_dir, f"ckpt-{source or tag}")
     if source:
         tag = f"{tag}-from-{source}"
