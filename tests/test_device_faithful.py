@@ -100,6 +100,29 @@ def test_a_backward_runs_under_the_mode(faithful, call):
     assert torch.equal(x.grad.cpu(), torch.full((3,), 2.0 if call != "nested" else 1.0)) and x.grad.is_cuda
 
 
+def test_the_engines_zeros_for_a_gradient_no_node_made_are_device_memory(faithful):
+    """An output of no elements that nothing uses (an expert-parallel rank that received no token: GLM-4.5's grouped
+    routing at EP 2 gives one) gets its gradient from the autograd engine itself, zeros with the forward tensor's
+    options: GPU memory on a GPU, which megatron-core's all-to-all then sends over NCCL. Python code's own host
+    tensors in a backward stay host memory."""
+    seen = []
+
+    class Split(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            return t * 2, t[:0] * 1
+
+        @staticmethod
+        def backward(ctx, grad, grad_empty):
+            seen.append((grad_empty, torch.zeros(0)))
+            return grad * 2
+
+    x = torch.ones(3, device="cuda", requires_grad=True)
+    Split.apply(x)[0].sum().backward()
+    [(made_by_the_engine, made_by_python)] = seen
+    assert made_by_the_engine.numel() == 0 and made_by_the_engine.is_cuda and not made_by_python.is_cuda
+
+
 def test_moves_copy_between_host_and_device(faithful):
     host = torch.arange(4.0)
     moved = host.cuda()

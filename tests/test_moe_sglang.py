@@ -1,7 +1,9 @@
-"""A mixture of experts with a real SGLang server on the CPU (tiny Qwen3-MoE with experts in every layer, as SGLang
-builds it; fp32; started with --enable-return-routed-experts, which runs on the CPU through cpu_shim's plugin): the routes it returns are its routers' choices, read into the trainer's layout; and
-a policy whose experts are spread over two expert-parallel ranks trains a step and syncs into it through every
-route, after which the server samples from the new weights."""
+"""A mixture of experts with a real SGLang server on the CPU (fp32; started with --enable-return-routed-experts, which
+runs on the CPU through cpu_shim's plugin): a tiny Qwen3-MoE with experts in every layer, as SGLang builds it, and a
+tiny GLM-4.5 (sigmoid routing with an expert bias, groups, a shared expert, a dense first layer). The routes a server
+returns are its routers' choices, read into the trainer's layout; a policy whose experts are spread over two
+expert-parallel ranks trains a step and syncs into it through every route, after which the server samples from the
+new weights."""
 
 import json
 import sys
@@ -27,13 +29,25 @@ pytestmark = pytest.mark.slow
 PROMPTS = [[5, 17, 40, 33], [8, 9, 10], [60, 61, 62, 63, 64, 65, 66]]
 
 
+def serving(root: Path, kind: str):
+    """A CPU SGLang server of a tiny random model of `kind` (fp32, returning its routes)."""
+    save_with_tokenizer(root / "model", kind=kind)
+    config = SGLangServerConfig(str(root / "model"), device="cpu", dtype="float32", max_total_tokens=4096,
+                                startup_timeout_s=600, extra_args=["--enable-return-routed-experts"])
+    return SGLangServer(config, root / "server.log")
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("sglang-moe")
-    save_with_tokenizer(root / "model", kind="qwen3_moe_sparse")
-    config = SGLangServerConfig(str(root / "model"), device="cpu", dtype="float32", max_total_tokens=4096,
-                                startup_timeout_s=600, extra_args=["--enable-return-routed-experts"])
-    with SGLangServer(config, root / "server.log") as srv:
+    with serving(root, "qwen3_moe_sparse") as srv:
+        yield srv, root
+
+
+@pytest.fixture(scope="module")
+def glm_server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sglang-glm")
+    with serving(root, "glm4_moe") as srv:
         yield srv, root
 
 
@@ -66,6 +80,10 @@ def test_the_routes_sglang_returns_are_its_routers_choices_in_the_trainers_layou
 def test_an_expert_parallel_policy_syncs_into_the_server_through_every_route(server, tmp_path):
     """EP = 2 over 2 data-parallel ranks, each with half the experts: after a step, for each route the server is
     put back to the original weights, synced, and samples from the new policy (its log-probs the policy's)."""
+    syncs_through_every_route(server, tmp_path)
+
+
+def syncs_through_every_route(server, tmp_path):
     srv, root = server
     torchrun("weight_sync_worker.py", 2, str(tmp_path / "out.json"), str(root / "model"), srv.url, str(tmp_path),
              "ep2", ",".join(ROUTES), "0.05")
@@ -123,3 +141,39 @@ def test_a_moe_with_routing_replay_starts_against_given_server_urls_and_trains_a
     assert done.returncode == 0, (done.stdout + done.stderr)[-6000:] + log[-4000:]
     assert "rollout.server_urls: log-probs match the policy's" in log and "the servers' routes replayed" in log
     assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1]
+
+
+def test_sglang_serves_glm_style_routing_as_transformers_computes_it(glm_server):
+    """Issue 50: a tiny GLM-4.5 (sigmoid routing with an expert bias, 2 groups, a shared expert, a dense first layer,
+    partial rotary) served by SGLang on this CPU: its log-probs are transformers' (fp32), and the routes it returns,
+    read into the trainer's layout (its MoE layers only), are transformers' routers' own choices, token by token."""
+    from transformers import AutoModelForCausalLM
+
+    srv, root = glm_server
+    spec = model_spec_from_hf(HFCheckpoint(root / "model").config)
+    engine = SGLangEngine(srv.url, routes=RouteLayout.of(spec))
+    groups = engine.generate(PROMPTS, 2, SamplingParams(max_new_tokens=10, temperature=1.0))
+    hf = AutoModelForCausalLM.from_pretrained(root / "model", dtype=torch.float32).eval()
+    gates = [layer.mlp.gate for layer in hf.model.layers if hasattr(layer.mlp, "gate")]
+    for s in (s for g in groups for s in g):
+        ids = PROMPTS[s.prompt_index] + s.output_ids
+        chosen = []
+        hooks = [g.register_forward_hook(lambda _m, _a, out: chosen.append(out[2])) for g in gates]
+        try:
+            with torch.no_grad():
+                logp = torch.log_softmax(hf(torch.tensor([ids])).logits[0].double(), -1)
+        finally:
+            for h in hooks:
+                h.remove()
+        p = len(PROMPTS[s.prompt_index])
+        expected = logp[p - 1:-1].gather(1, torch.tensor(s.output_ids)[:, None])[:, 0]
+        assert (torch.tensor(s.logprobs, dtype=torch.float64) - expected).abs().max() < 1e-5
+        own = torch.stack(chosen, 1)[: len(ids) - 1].sort(-1).values  # [positions, MoE layers, k]
+        assert s.routes.shape == (len(ids) - 1, sum(spec.moe_layers), spec.moe_topk)
+        assert torch.equal(torch.from_numpy(s.routes.astype(np.int64)).sort(-1).values, own)
+
+
+def test_a_glm_style_expert_parallel_policy_syncs_into_the_server_through_every_route(glm_server, tmp_path):
+    """The same as Qwen3-MoE's: EP = 2, every route; the expert bias goes over in fp32 with the rest."""
+    syncs_through_every_route(glm_server, tmp_path)
+

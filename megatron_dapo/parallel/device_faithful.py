@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import threading
 import weakref
 
 import torch
@@ -50,6 +51,7 @@ _PURGE_FLOOR = 1 << 16
 _purge_above = [_PURGE_FLOOR]  # entries of dead storages are dropped when the table outgrows this
 _host_groups: set[str] = set()  # names of process groups that stay gloo on GPUs
 _local = [0]  # this process's GPU ordinal (LOCAL_RANK)
+_in_engine = threading.local()  # .depth: autograd engine runs (backward passes) under way on this thread
 
 
 def requested(environ=None) -> bool:
@@ -166,11 +168,22 @@ def _backward_under(mode, func, args, kwargs):
     inputs = () if inputs is None else (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
     create = bound.get("create_graph", False)
     retain = bound.get("retain_graph")
-    with mode:
-        grads = _tensor_or_tensors_to_tuple(bound.get("grad_tensors", bound.get("gradient")), len(tensors))
-        _engine_run_backward(tensors, _make_grads(tensors, grads, is_grads_batched=False),
-                             create if retain is None else retain, create, inputs, allow_unreachable=True,
-                             accumulate_grad=True)
+    _in_engine.depth = getattr(_in_engine, "depth", 0) + 1
+    try:
+        with mode:
+            grads = _tensor_or_tensors_to_tuple(bound.get("grad_tensors", bound.get("gradient")), len(tensors))
+            _engine_run_backward(tensors, _make_grads(tensors, grads, is_grads_batched=False),
+                                 create if retain is None else retain, create, inputs, allow_unreachable=True,
+                                 accumulate_grad=True)
+    finally:
+        _in_engine.depth -= 1
+
+
+def _engine_allocation(func) -> bool:
+    """An aten factory called by the autograd engine itself (Python code calls torch.zeros, not the op): the zeros
+    it makes for a gradient no node produced (an output of no elements, as an expert-parallel rank that received no
+    token has), with the options of the forward tensor, so on a GPU on the GPU."""
+    return getattr(_in_engine, "depth", 0) > 0 and isinstance(func, torch._ops.OpOverload)
 
 
 def _getter(prop) -> object:
@@ -207,7 +220,7 @@ class FaithfulFunctionMode(TorchFunctionMode):
             inputs = {id(_storage(t)) for t in _tensors(args)}
             if id(_storage(out)) not in inputs:  # a new tensor: not a view of an input
                 if device is not None:
-                    _set(out, is_cuda_device(device))
+                    _set(out, is_cuda_device(device) or _engine_allocation(func))
                 elif place(out) is None:
                     _set(out, HOST)
         return out
