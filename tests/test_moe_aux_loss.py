@@ -1,8 +1,9 @@
 """Issue 50, finding 1: the load-balancing loss's gradient does not depend on the loss's aggregation, on where the
-prompt ends, on how many responses are in the loss, or on the micro-batch split. megatron-core (per-token loss mode)
-scales the aux loss by the tokens a micro-batch routes, and the step then divides every gradient by the loss's units
-(response tokens, or responses under loss.aggregation "sample"): the aux loss's strength followed those units (24x
-under "sample"). The policy-gradient term is zero here (advantages 0), so the step's change is the aux loss's alone.
+prompt ends, on how many responses are in the loss, on padding, or on the micro-batch split. megatron-core (per-token
+loss mode) scaled the aux loss by the tokens a micro-batch routes, padding included, and the step then divides every
+gradient by the loss's units (response tokens, or responses under loss.aggregation "sample"): the aux loss's strength
+followed those units (24x under "sample"). The policy-gradient term is zero here (advantages 0), so the step's change
+is the aux loss's alone.
 
 One rank in this process (the split invariance over ranks is test_moe.py's). A first Adam step with lr = eps = 1e3 is
 minus the gradient."""
@@ -57,14 +58,15 @@ def samples(prompt_len: int = PROMPT, in_loss: int = 2 * DISTINCT) -> list[Rollo
     return out
 
 
-def aux_step(moe, batch: list[RolloutSample], aggregation: str = "token", max_tokens: int = 100_000):
+def aux_step(moe, batch: list[RolloutSample], aggregation: str = "token", max_tokens: int = 100_000,
+             packed: bool = False):
     """Every weight's change in one step, and the step's result."""
     from megatron_dapo.checkpoint.hf_weights import load_policy_weights
 
     spec, get, parallel, runtime = moe
     optim = OptimConfig(lr=1e3, adam_eps=1e3, warmup_steps=0, weight_decay=0.0, clip_grad=0.0)
     trainer = PolicyTrainer(spec, parallel, runtime.device, optim, LossConfig(aggregation=aggregation), max_tokens,
-                            params_dtype=PARITY_DTYPE, moe_aux_loss_coef=COEF)
+                            params_dtype=PARITY_DTYPE, moe_aux_loss_coef=COEF, packed=packed)
     load_policy_weights(trainer, get)
     before = {n: p.detach().clone() for n, p in trainer.module.named_parameters()}
     result = trainer.step(batch)
@@ -96,3 +98,27 @@ def test_the_load_balancing_gradient_is_the_same_whatever_the_loss_units_and_the
     worst = max((change[n] - base_change[n]).abs().max().item() for n in base_change) / scale
     ratio = sum(change[n].norm() for n in routers) / sum(base_change[n].norm() for n in routers)
     assert worst < 1e-5, f"{case}: the aux loss's step differs by {worst:.2e} (relative); routers' change x{ratio:.3f}"
+
+
+def test_padding_is_not_in_the_load_balancing_loss(moe):
+    """Sequences of other lengths in one micro-batch: packed (end to end, no padding) or a padded block (padding
+    after each shorter one) hold the same real tokens, so the same switch loss and the same step. megatron-core
+    counted the padding as routed tokens (measured before: the padded step's routers' change x1.44 the packed one's,
+    its loss's value x1.11)."""
+    g = torch.Generator().manual_seed(4)
+    batch = []
+    for n in (9, 16, 23, 12):
+        t = torch.randint(0, VOCAB, (n,), generator=g)
+        r = n - PROMPT
+        batch.append(RolloutSample(Sequence(t, PROMPT), torch.full((r,), -2.0), torch.zeros(r), torch.ones(r).bool()))
+    packed_change, packed = aux_step(moe, batch, packed=True)
+    padded_change, padded = aux_step(moe, batch)
+    routers = [n for n in packed_change if n.endswith("router.weight")]
+    ratio = sum(padded_change[n].norm() for n in routers) / sum(packed_change[n].norm() for n in routers)
+    print(f"padded / packed: routers' change x{ratio:.3f}, "
+          f"loss x{padded.load_balancing_loss / packed.load_balancing_loss:.3f}")
+    assert padded.load_balancing_loss == pytest.approx(packed.load_balancing_loss, rel=1e-6)
+    scale = max(v.abs().max().item() for v in packed_change.values())
+    worst = max((padded_change[n] - packed_change[n]).abs().max().item() for n in packed_change) / scale
+    assert worst < 1e-5, f"the padded block's aux step differs by {worst:.2e} (relative); routers' change x{ratio:.3f}"
+

@@ -130,11 +130,13 @@ def test_every_rank_can_run_as_many_micro_batches_as_the_busiest():
 
 def test_the_load_balancing_coefficient_is_a_model_key():
     from megatron_dapo.config import ModelConfig
+    from megatron_dapo.policy.load_balancing import aux_coefficient
     from megatron_dapo.policy.model import moe_options
 
     spec = model_spec_from_hf(QWEN3_MOE)
-    assert moe_options(spec, None)["moe_aux_loss_coeff"] == 0.001  # config.json's router_aux_loss_coef
-    assert moe_options(spec, 0.0)["moe_aux_loss_coeff"] == 0.0
+    assert aux_coefficient(spec, None) == 0.001  # config.json's router_aux_loss_coef
+    assert aux_coefficient(spec, 0.0) == 0.0
+    assert moe_options(spec, 0.01)["moe_aux_loss_coeff"] == 0.0  # megatron-core's own stays off: load_balancing's
     assert moe_options(spec, None)["moe_router_pre_softmax"] is False  # norm_topk_prob: softmax over the top k
     with pytest.raises(ConfigError, match="model.moe_aux_loss_coef: must be a number >= 0 or null"):
         ModelConfig(path="m", moe_aux_loss_coef=-1)

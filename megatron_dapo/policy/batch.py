@@ -58,6 +58,8 @@ class MicroBatch:
     # With routes: [rows, length] True where no sequence's routes are (padding, a sequence's last token), which the
     # replayer spreads over the experts
     route_fill: torch.Tensor | None = None
+    # [rows, length] True where a sequence's token is (False: padding, a filler), what the load-balancing loss counts
+    real: torch.Tensor | None = None
 
     @property
     def num_response_tokens(self) -> int:
@@ -163,10 +165,12 @@ def make_packed_micro_batch(sequences: list[Sequence], index: list[int], length_
     cu = starts + [total] if total > starts[-1] else starts
     input_ids = torch.zeros(total, dtype=torch.long)
     targets = torch.zeros(total, dtype=torch.long)
+    real = torch.zeros(total, dtype=torch.bool)
     positions = []
     for s, a in zip(rows, starts):
         n = s.tokens.numel()
         input_ids[a:a + n] = s.tokens
+        real[a:a + n] = True
         targets[a:a + n - 1] = s.tokens[1:]  # each sequence's last position predicts nothing of it
         positions.append(torch.arange(a + s.prompt_len - 1, a + n - 1))
     missing = [i for i, s in zip(index, rows) if s.routes is None]
@@ -177,22 +181,25 @@ def make_packed_micro_batch(sequences: list[Sequence], index: list[int], length_
         routes, fill = _routes([s.routes for s in rows], total, starts)
     return MicroBatch(input_ids.unsqueeze(0), targets,
                       torch.cat(positions) if positions else torch.zeros(0, dtype=torch.long), list(index),
-                      [s.response_len for s in rows], routes, missing, cu, route_fill=fill)
+                      [s.response_len for s in rows], routes, missing, cu, route_fill=fill, real=real.unsqueeze(0))
 
 
 def make_micro_batch(sequences: list[Sequence], index: list[int], length_multiple: int = 1) -> MicroBatch:
     """The block of sequences `index`; for no sequences, a filler: one row of padding, no response position."""
     if not index:
         return MicroBatch(torch.zeros(1, length_multiple, dtype=torch.long),
-                          torch.zeros(length_multiple, dtype=torch.long), torch.zeros(0, dtype=torch.long), [], [])
+                          torch.zeros(length_multiple, dtype=torch.long), torch.zeros(0, dtype=torch.long), [], [],
+                          real=torch.zeros(1, length_multiple, dtype=torch.bool))
     rows = [sequences[i] for i in index]
     length = padded_length(max(s.tokens.numel() for s in rows), length_multiple)
     input_ids = torch.zeros(len(rows), length, dtype=torch.long)
     targets = torch.zeros(len(rows), length, dtype=torch.long)
+    real = torch.zeros(len(rows), length, dtype=torch.bool)
     positions = []
     for r, s in enumerate(rows):
         n = s.tokens.numel()
         input_ids[r, :n] = s.tokens
+        real[r, :n] = True
         targets[r, : n - 1] = s.tokens[1:]
         # The logits at position p predict token p + 1: response tokens [prompt_len, n) come from [prompt_len - 1, n - 1).
         positions.append(torch.arange(s.prompt_len - 1, n - 1) + r * length)
@@ -202,7 +209,7 @@ def make_micro_batch(sequences: list[Sequence], index: list[int], length_multipl
         routes, fill = (t.reshape(len(rows), length, *t.shape[2:]) for t in
                         _routes([s.routes for s in rows], len(rows) * length, [r * length for r in range(len(rows))]))
     return MicroBatch(input_ids, targets.reshape(-1), torch.cat(positions), list(index),
-                      [s.response_len for s in rows], routes, missing, route_fill=fill)
+                      [s.response_len for s in rows], routes, missing, route_fill=fill, real=real)
 
 
 def _routes(per_sequence: list[torch.Tensor], total: int, starts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -65,7 +65,8 @@ def split_micro_batch(mb: MicroBatch, cp_size: int, cp_rank: int) -> MicroBatch:
     position_ids = keep - starts.repeat_interleave(torch.tensor([b - a for a, b in segments]) // cp_size)
     return replace(mb, input_ids=mb.input_ids.reshape(-1)[keep].reshape(rows, -1), targets=mb.targets[keep],
                    response_positions=at[mine], response_order=torch.arange(at.numel())[mine], routes=routes,
-                   route_fill=fill, position_ids=position_ids.reshape(rows, -1))
+                   route_fill=fill, position_ids=position_ids.reshape(rows, -1),
+                   real=mb.real.reshape(-1)[keep].reshape(rows, -1))
 
 
 @dataclass(frozen=True)

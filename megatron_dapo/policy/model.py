@@ -131,7 +131,8 @@ def moe_options(spec: ModelSpec, aux_loss_coef: float | None, routing_replay: bo
     does: Qwen3-MoE's, a softmax over the experts and their top k; with norm_topk_prob the k probabilities
     renormalised, which is the softmax over the k logits (megatron's moe_router_pre_softmax False), else the softmax
     over all; GLM-4.5's, glm_routing_options.
-    `aux_loss_coef`: the load-balancing loss's coefficient, None for config.json's router_aux_loss_coef.
+    `aux_loss_coef`: model.moe_aux_loss_coef, refused for a dense model; megatron-core's own aux loss stays off
+    (policy/load_balancing.py computes it).
     `routing_replay`: the routers take the experts each token is given (policy/routing_replay.py)."""
     if not spec.is_moe:
         if aux_loss_coef is not None:
@@ -147,8 +148,9 @@ def moe_options(spec: ModelSpec, aux_loss_coef: float | None, routing_replay: bo
         "moe_ffn_hidden_size": spec.moe_ffn_hidden_size,
         "moe_layer_freq": [int(sparse) for sparse in spec.moe_layers],
         "moe_router_pre_softmax": not spec.norm_topk_prob,
+        # The load-balancing loss is policy/load_balancing.py's (over real tokens, at a strength of its own)
         "moe_router_load_balancing_type": "aux_loss",
-        "moe_aux_loss_coeff": spec.router_aux_loss_coef if aux_loss_coef is None else aux_loss_coef,
+        "moe_aux_loss_coeff": 0.0,
         # The fused router skips routing replay, and both fusions need Transformer Engine.
         "moe_router_fusion": False,
         "moe_permute_fusion": False,

@@ -37,7 +37,7 @@ from megatron_dapo.policy.forward import (
     route_replayer,
 )
 from megatron_dapo.policy.hf_config import ModelSpec
-from megatron_dapo.policy.load_balancing import routed_tokens, step_coefficient, tracked_loss
+from megatron_dapo.policy.load_balancing import LoadBalancing, aux_coefficient
 from megatron_dapo.policy.model import build_model
 from megatron_dapo.policy.routing_agreement import RoutingAgreement
 
@@ -78,7 +78,7 @@ class StepResult:
     entropy_mean: float = 0.0
     applied: bool = True  # False: the loss or a gradient was not finite and the update was skipped
     # A mixture of experts with a load-balancing loss (model.moe_aux_loss_coef > 0): its value before the
-    # coefficient, the mean over the MoE layers and the micro-batches; None otherwise.
+    # coefficient, the mean over the MoE layers and the micro-batches with samples (policy/load_balancing.py).
     load_balancing_loss: float | None = None
     # A mixture of experts: per MoE layer, its busiest expert's tokens over the mean expert's (policy/expert_load.py)
     expert_load: list[float] | None = None
@@ -126,6 +126,7 @@ class PolicyTrainer:
                             activation_recompute=activation_recompute, moe_aux_loss_coef=moe_aux_loss_coef,
                             routing_replay=routing_replay)
         self.recompute = activation_recompute == "full"
+        self.aux_coef = aux_coefficient(spec, moe_aux_loss_coef) if spec.is_moe else 0.0
         config = model.config
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                    use_distributed_optimizer=optim.distributed_optimizer,
@@ -203,6 +204,7 @@ class PolicyTrainer:
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
             on_output = replayer.before_forward(mb, self.recompute) if replayer is not None else (lambda out: out)
+            balance.micro_batch(mb)
             if agreement is not None:
                 agreement.micro_batch(mb)
             if not mb.sample_index:  # a filler (expert parallelism): its forward and backward, and nothing else
@@ -233,10 +235,10 @@ class PolicyTrainer:
         self.optimizer.zero_grad()
         units = loss_units([s.loss_mask for s in samples], self.loss_cfg.aggregation)
         load = ExpertLoad(self.module)
+        balance = LoadBalancing(self.module, self.aux_coef, units, mbs, self.recompute)
         agreement = RoutingAgreement(self.module) if measure_routing and replayer is not None else None
         try:
-            with step_coefficient(self.module.config, units, routed_tokens(self.module.config, mbs), dev), load, \
-                    agreement if agreement is not None else nullcontext():
+            with balance, load, agreement if agreement is not None else nullcontext():
                 outputs = get_forward_backward_func()(
                     forward_step_func=forward_step, data_iterator=iter(mbs), model=[self.model],
                     num_microbatches=len(mbs), seq_length=max(mb.input_ids.shape[1] for mb in mbs),
@@ -246,7 +248,7 @@ class PolicyTrainer:
             if replayer is not None:
                 replayer.end()
         result = self._reduce_metrics(outputs, lr, parallel_state)
-        result.load_balancing_loss = tracked_loss(self.module.config, len(mbs), dev)
+        result.load_balancing_loss = balance.value()
         result.expert_load = load.max_over_mean()
         result.routing_agreement = agreement.shares() if agreement is not None else None
         self.step_count += 1
