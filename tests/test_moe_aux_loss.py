@@ -59,14 +59,15 @@ def samples(prompt_len: int = PROMPT, in_loss: int = 2 * DISTINCT) -> list[Rollo
 
 
 def aux_step(moe, batch: list[RolloutSample], aggregation: str = "token", max_tokens: int = 100_000,
-             packed: bool = False):
+             packed: bool = False, recompute: bool = False):
     """Every weight's change in one step, and the step's result."""
     from megatron_dapo.checkpoint.hf_weights import load_policy_weights
 
     spec, get, parallel, runtime = moe
     optim = OptimConfig(lr=1e3, adam_eps=1e3, warmup_steps=0, weight_decay=0.0, clip_grad=0.0)
     trainer = PolicyTrainer(spec, parallel, runtime.device, optim, LossConfig(aggregation=aggregation), max_tokens,
-                            params_dtype=PARITY_DTYPE, moe_aux_loss_coef=COEF, packed=packed)
+                            params_dtype=PARITY_DTYPE, moe_aux_loss_coef=COEF, packed=packed,
+                            activation_recompute="full" if recompute else "none")
     load_policy_weights(trainer, get)
     before = {n: p.detach().clone() for n, p in trainer.module.named_parameters()}
     result = trainer.step(batch)
@@ -77,7 +78,9 @@ def aux_step(moe, batch: list[RolloutSample], aggregation: str = "token", max_to
 CASES = {"loss.aggregation sample": dict(aggregation="sample"),
          "the prompt two tokens longer": dict(batch=dict(prompt_len=PROMPT + 2)),
          "half the responses out of the loss": dict(batch=dict(in_loss=DISTINCT)),
-         "two micro-batches": dict(max_tokens=DISTINCT * (PROMPT + RESPONSE))}
+         "two micro-batches": dict(max_tokens=DISTINCT * (PROMPT + RESPONSE)),
+         # each layer's forward runs again in the backward (the loss counted once, in the one with a graph)
+         "two micro-batches, activation recompute": dict(max_tokens=DISTINCT * (PROMPT + RESPONSE), recompute=True)}
 
 
 @pytest.fixture(scope="module")
