@@ -1,4 +1,4 @@
-"""The `megatron-dapo` command: train, preflight, demo, convert."""
+"""The `megatron-dapo` command: train, preflight, config, demo, convert."""
 
 from __future__ import annotations
 
@@ -48,6 +48,12 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--task", choices=list(TASKS), default="sums", help="sums: two-digit sums answered in one "
                       "line; chain: sums of 2 to 10 numbers worked line by line (11 to 77 tokens)")
     demo.add_argument("--verbose", action="store_true", help=VERBOSE_HELP.format(log="OUTPUT/demo.log"))
+    config = commands.add_parser("config", help="print a run's config as resolved (defaults and overrides "
+                                 "applied), or with --reference every key with its type, default and meaning")
+    config.add_argument("config", nargs="?", help="the run's YAML config (see launch/configs/)")
+    config.add_argument("overrides", nargs="*", help="section.key=value overrides, as for train")
+    config.add_argument("--reference", action="store_true",
+                        help="print the reference of every key (docs/configuration.md) instead")
     convert = commands.add_parser("convert", help="convert checkpoints between Hugging Face and megatron-core")
     from megatron_dapo.checkpoint import convert as convert_module
 
@@ -86,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"megatron-dapo preflight: bad config: {e}", file=sys.stderr)
             return 2
         return 0
+    if args.command == "config":
+        return _config(args, parser)
     if args.command == "demo":
         from megatron_dapo.demo import run_demo
 
@@ -97,6 +105,28 @@ def main(argv: list[str] | None = None) -> int:
             return _explain("demo", e, log_file, 0)
     parser.error(f"unknown command {args.command!r}")
     return 2
+
+
+def _config(args, parser) -> int:
+    from megatron_dapo.config import ConfigError
+    from megatron_dapo.run_config import load_config
+
+    if args.reference:
+        from megatron_dapo.config_reference import reference
+
+        print(reference(), end="")
+        return 0
+    if not args.config:
+        parser.error("config: give a run's YAML config, or --reference")
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as e:
+        print(f"megatron-dapo config: bad config: {e}", file=sys.stderr)
+        return 2
+    import yaml
+
+    print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
+    return 0
 
 
 def _explain(command: str, error: BaseException, log_file, rank: int) -> int:

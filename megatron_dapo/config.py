@@ -54,17 +54,17 @@ class ParallelConfig:
     of experts' experts are dealt over `expert_parallel` ranks, which split the tensor x data-parallel ranks of a
     pipeline stage (each expert whole on its rank: megatron-core's expert tensor parallelism stays 1)."""
 
-    tensor_parallel: int = 1
-    pipeline_parallel: int = 1
+    tensor_parallel: int = 1  # ranks each layer's weights and attention heads are split over (Megatron's TP)
+    pipeline_parallel: int = 1  # stages the layers are split into, one after the other (Megatron's PP)
     # Each sequence cut over this many ranks (policy/context_parallel.py): for sequences longer than one GPU holds.
     context_parallel: int = 1
-    expert_parallel: int = 1
+    expert_parallel: int = 1  # ranks a mixture of experts' experts are dealt over (Megatron's EP); must divide them
     # Megatron's sequence parallelism: the activations outside attention and the MLP (norms, residuals, the
     # experts' dispatch) split along the sequence over the tensor-parallel ranks, instead of a full copy on each.
     # Needs tensor_parallel > 1; a mixture of experts with tensor_parallel > 1 needs it.
     sequence_parallel: bool = False
     device: str = "cuda"  # "cuda" (NCCL) or "cpu" (gloo)
-    seed: int = 1234
+    seed: int = 1234  # the model's random state (megatron-core's RNG tracker, dropout): each rank's from it
     # Minutes a rank may wait inside one NCCL / gloo collective before the job fails: it must outlast what
     # global rank 0 does alone meanwhile (a checkpoint write, the disk weight sync); `megatron-dapo preflight`
     # estimates that.
@@ -109,14 +109,19 @@ HIGH_LR = 1e-3  # above it optim.lr is warned of: tiny demo models train at 2e-4
 
 @dataclass(frozen=True)
 class OptimConfig:
+    """Adam (megatron-core's optimizer) with gradient clipping and a linear warmup, then a constant rate."""
+
+    # The learning rate after warmup: finite and > 0, below 1 unless adam_eps >= lr; warned of above 1e-3
     lr: float = 1e-6
     # Linear warmup over this many *rollout* steps (the paper's 20), of train.updates_per_step updates each.
     warmup_steps: int = 20
-    weight_decay: float = 0.1
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
+    weight_decay: float = 0.1  # decoupled (AdamW); biases and norms are left out of it
+    adam_beta1: float = 0.9  # Adam's decay of the gradient's running mean
+    adam_beta2: float = 0.999  # Adam's decay of the squared gradient's running mean
+    adam_eps: float = 1e-8  # added to the second moment's root; > 0
+    clip_grad: float = 1.0  # the gradient's global norm is clipped to this; 0: no clipping
+    # The optimizer's state (fp32 master weights, Adam's moments) split over the data-parallel ranks (megatron-core's
+    # distributed optimizer) instead of a full copy on each; a checkpoint resumes only with the same setting.
     distributed_optimizer: bool = True
 
     def __post_init__(self):
@@ -154,12 +159,13 @@ OLD_LOGPROB_SOURCES = ("recompute", "rollout")
 class LossConfig:
     """The clipped token-level objective, and the optional extras DAPO leaves off by default."""
 
-    eps_low: float = 0.2
-    eps_high: float = 0.28
+    eps_low: float = 0.2  # the ratio's lower clip, 1 - eps_low (DAPO's clip-higher keeps it at PPO's)
+    eps_high: float = 0.28  # the ratio's upper clip, 1 + eps_high (DAPO's clip-higher raises it)
+    # Dual clip (> 1): for negative advantages the token's loss is at most c x |advantage|; null: off (DAPO's).
     dual_clip_c: float | None = None
-    log_ratio_clamp: float = 20.0
+    log_ratio_clamp: float = 20.0  # log(pi / pi_old) clamped to +-this before exp, so the ratio stays finite
     kl_coef: float = 0.0  # > 0: a KL penalty against a reference policy (DAPO drops it; GRPO keeps it)
-    kl_type: str = "k3"
+    kl_type: str = "k3"  # the KL estimator: "k3" (Schulman's, >= 0, unbiased) or "k1" (the log ratio)
     # The KL term's reference: 0, the initial policy, frozen; N > 0, the policy as it is after every N-th rollout
     # step (DeepSeek-R1's GRPO). Needs loss.kl_coef > 0.
     kl_ref_refresh_steps: int = 0
@@ -234,9 +240,9 @@ class ModelConfig:
     # CPU runs (the tests), float32 on the CPU otherwise. bfloat16 on the CPU runs the GPU's precision path there
     # (megatron-core's bf16 optimizer over gloo).
     dtype: str = "auto"
-    # A mixture of experts' load-balancing loss coefficient (megatron-core's aux loss per MoE layer, computed per
-    # micro-batch over the tokens it routes, averaged over them: policy/load_balancing.py); null: the model's
-    # config.json's router_aux_loss_coef. 0 turns it off.
+    # A mixture of experts' load-balancing loss coefficient (the switch loss per MoE layer and micro-batch over its
+    # real tokens, averaged over the micro-batches by their real tokens: policy/load_balancing.py); null: the
+    # model's config.json's router_aux_loss_coef. 0 turns it off.
     moe_aux_loss_coef: float | None = None
 
     def __post_init__(self):
@@ -262,10 +268,10 @@ class ModelConfig:
 @dataclass(frozen=True)
 class DataConfig:
     train_path: str = ""  # parquet (DAPO-Math-17K schema) or .jsonl with the same fields
-    eval_path: str | None = None
+    eval_path: str | None = None  # held-out prompts in the same format (eval section); null: no evaluation
     chat_template: bool = True  # False: the prompt's text as is (for tokenizers without a chat template)
-    max_prompt_len: int = 2048
-    seed: int = 42
+    max_prompt_len: int = 2048  # tokens; longer prompts are left out and counted (prompts_too_long)
+    seed: int = 42  # the order the prompts are drawn in (each epoch shuffled from it)
     # Train on each (prompt, ground truth) once per epoch: DAPO-Math-17K's parquet holds every problem
     # about 100 times. Off: the file's rows as they are.
     drop_duplicates: bool = False
@@ -291,14 +297,15 @@ class RolloutConfig:
     # rollout.mode async: the batch a step trains on was started by weights at most this many steps older
     # than the trainer's (a response's oldest token counts); groups older than that are dropped and counted.
     max_staleness: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
+    temperature: float = 1.0  # sampling temperature; the trainer's log-probs are computed at the same one
+    top_p: float = 1.0  # nucleus sampling; 1: the whole distribution (the paper's for training)
     server_urls: list[str] = field(default_factory=list)  # attach to running servers; empty: start them
-    num_servers: int = 1
-    server_tensor_parallel: int = 1
-    server_device: str = "cuda"
+    num_servers: int = 1  # SGLang servers the run (or the SLURM launcher) starts
+    server_tensor_parallel: int = 1  # GPUs per server (SGLang's --tp)
+    server_device: str = "cuda"  # "cuda", or "cpu" (SGLang's CPU backend: the tests and tiny runs)
+    # More SGLang flags, e.g. ["--mem-fraction-static", "0.5"]
     server_extra_args: list[str] = field(default_factory=list)
-    server_startup_timeout_s: float = 600.0
+    server_startup_timeout_s: float = 600.0  # seconds a started server may take to answer /health
     # Servers sample bitwise reproducibly per (request, seed), whatever else is batched, so a resumed run
     # repeats the interrupted one (SGLang's --enable-deterministic-inference; slower).
     deterministic: bool = False
@@ -306,11 +313,11 @@ class RolloutConfig:
     # routers take them in the old-log-prob recompute and in training (policy/routing_replay.py). A dense model
     # refuses it.
     routing_replay: bool = False
-    max_in_flight: int = 64
+    max_in_flight: int = 64  # groups sent to the servers at once (their queues hold the rest)
     # Seconds one /generate call (a group) may take, including its wait in the SGLang server's queue behind
     # the other groups in flight; `megatron-dapo preflight` estimates the worst case.
     request_timeout_s: float = 600.0
-    max_server_restarts: int = 3
+    max_server_restarts: int = 3  # times a server the run started is restarted after it dies, before the run fails
     # Seconds one job of the rollout service may run (a step's batch with all its rounds of dynamic sampling,
     # server restarts included; an evaluation) before the run fails, naming it.
     job_timeout_s: float = 10800.0
@@ -318,7 +325,7 @@ class RolloutConfig:
     # machine hung): its calls fail at once, it is restarted and its groups are sent again.
     server_health_timeout_s: float = 60.0
     weight_sync: str = "distributed"  # "distributed" (NCCL/gloo), "tensor" (colocated), "disk"
-    weight_sync_bucket_mb: int = 512
+    weight_sync_bucket_mb: int = 512  # the weights go to the servers in buckets of about this size
     # Seconds one HTTP call of the weight sync or of the servers' memory release / resume may take (the
     # slowest: a server loading the whole model from disk).
     weight_sync_timeout_s: float = 600.0
@@ -413,13 +420,13 @@ def _check_server_url(url: str, key: str) -> None:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    steps: int = 100
+    steps: int = 100  # rollout steps the run trains for (a resumed run continues to this count)
     updates_per_step: int = 16  # optimizer steps per rollout step: the batch split into this many mini-batches
-    output_dir: str = "runs/dapo"
+    output_dir: str = "runs/dapo"  # checkpoints, metrics.jsonl, train.log, tensorboard files
     checkpoint_every: int = 10  # 0: only at the end
-    keep_last: int = 3
+    keep_last: int = 3  # complete checkpoints kept; older ones are removed once a newer one is complete
     resume: bool = True  # continue from the latest complete checkpoint in output_dir
-    tensorboard: bool = True
+    tensorboard: bool = True  # write the metrics as tensorboard events too, under output_dir/tensorboard
     max_bad_steps: int = 3  # rollout steps in a row with an update skipped for a non-finite loss or gradient
     # Seconds a rank may take to write its part of a checkpoint (a stalled filesystem): past it the run ends,
     # naming the rank and the folder; the previous complete checkpoint stays the latest.
@@ -442,7 +449,7 @@ WANDB_MODES = ("online", "offline")
 class WandbConfig:
     """Weights & Biases, off unless `project` is set: rank 0 logs what tensorboard gets, and the run's config."""
 
-    project: str | None = None
+    project: str | None = None  # the wandb project; null: wandb off
     entity: str | None = None  # the team or user; null: wandb's default for the logged-in user
     name: str | None = None  # the run's display name; null: the output folder's name
     mode: str = "online"  # "offline": files under OUT/wandb only, uploaded later with `wandb sync`
@@ -459,6 +466,8 @@ class WandbConfig:
 
 @dataclass(frozen=True)
 class MetricsConfig:
+    """Where the step metrics go besides output_dir/metrics.jsonl and tensorboard."""
+
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
 
@@ -470,10 +479,10 @@ class EvalConfig:
     every: int = 10  # rollout steps between evaluations; 0: none
     samples_per_prompt: int = 32  # k of avg@k and pass@k
     max_prompts: int = 256  # the first ones of data.eval_path
-    temperature: float = 1.0
-    top_p: float = 0.7
+    temperature: float = 1.0  # sampling temperature of the evaluation
+    top_p: float = 0.7  # nucleus sampling of the evaluation
     max_response_len: int | None = None  # tokens; null: algorithm.max_response_len
-    seed: int = 0
+    seed: int = 0  # every evaluation samples with this seed
 
     def __post_init__(self):
         _whole(self.every, "eval.every", 0)
