@@ -17,7 +17,8 @@ VERBOSE_HELP = ("print every library's log records and warnings too (by default 
                 "the console shows this program's progress, warnings and errors)")
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line's parser (the docs' commands are checked against it)."""
     parser = argparse.ArgumentParser(prog="megatron-dapo", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     train = commands.add_parser("train", help="run DAPO from a YAML config (under torchrun or srun for several ranks)")
@@ -58,13 +59,21 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_dapo.checkpoint import convert as convert_module
 
     convert_module.add_arguments(convert)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "convert":
+        from megatron_dapo.checkpoint import convert as convert_module
+
         return convert_module.run(args)
     if args.command == "train":
         from megatron_dapo.config import ConfigError
         from megatron_dapo.parallel.runtime import launch_env
+        from megatron_dapo.preflight import Hardware
         from megatron_dapo.run_config import load_config
         from megatron_dapo.trainer import run_training
 
@@ -83,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
             return _explain("train", e, log_file, env.rank)
     if args.command == "preflight":
         from megatron_dapo.config import ConfigError
+        from megatron_dapo.preflight import Hardware
         from megatron_dapo.run_config import load_config
 
         try:

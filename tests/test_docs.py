@@ -1,5 +1,10 @@
-"""The documentation holds to the code: the configuration reference is what the dataclasses say."""
+"""The documentation holds to the code: the configuration reference is what the dataclasses say, the README leads
+to every guide, links resolve, and every command shown parses against the real command line (or says it needs a GPU
+cluster)."""
 
+import argparse
+import re
+import shlex
 from pathlib import Path
 
 import pytest
@@ -47,3 +52,72 @@ def test_the_config_command_prints_the_resolved_config_and_the_reference(capsys)
     assert capsys.readouterr().out == reference()
     assert main(["config", str(path), "optim.lrr=3"]) == 2
     assert "optim.lrr: unknown key; did you mean optim.lr?" in capsys.readouterr().err
+
+
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+# a command in a fenced block that only a GPU cluster runs says so in the block
+CLUSTER_MARK = re.compile(r"GPU cluster|GPU machine")
+SHELL_TOOLS = ("tail", "cat")
+
+
+def test_the_readme_is_a_front_door_to_every_guide():
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) < 300
+    linked = {m.group(1) for m in LINK.finditer(readme)}
+    assert {f"docs/{p.name}" for p in (ROOT / "docs").glob("*.md")} <= linked
+
+
+@pytest.mark.parametrize("page", DOCS, ids=[p.name for p in DOCS])
+def test_every_relative_link_resolves(page):
+    for target in (m.group(1) for m in LINK.finditer(page.read_text())):
+        if "://" in target or target.startswith("#"):
+            continue
+        assert (page.parent / target.split("#")[0]).exists(), f"{page.name}: {target}"
+
+
+def commands(page: Path):
+    """(the fenced bash block, one command of it with its continuation lines joined) of `page`."""
+    for m in re.finditer(r"```bash\n(.*?)```", page.read_text(), re.S):
+        block = m.group(1)
+        for line in block.replace("\\\n", " ").splitlines():
+            line = line.split(" #")[0].strip()
+            if line and not line.startswith("#"):
+                yield block, line
+
+
+def checked(line: str, block: str) -> str:
+    """What the command is checked as; fails where it is none of them."""
+    from megatron_dapo.checkpoint.convert import add_arguments
+    from megatron_dapo.cli import build_parser
+
+    words = [w for w in shlex.split(line) if not re.match(r"^[A-Z_]+=", w)]  # environment assignments
+    tool = words[0]
+    if tool in ("sbatch", "torchrun", "srun") or tool == "bash" and words[1].startswith("tests/gpu"):
+        assert CLUSTER_MARK.search(block), f"{line!r}: runs on GPUs only, and its block does not say so"
+        if tool == "torchrun":
+            build_parser().parse_args(words[words.index("megatron_dapo.cli") + 1:])
+        return "cluster"
+    if tool == "megatron-dapo":
+        build_parser().parse_args(words[1:])
+        return "cli"
+    if tool in ("python", ".venv/bin/python") and words[1] == "tools/convert_checkpoint.py":
+        parser = argparse.ArgumentParser()
+        add_arguments(parser)
+        parser.parse_args(words[2:])
+        return "cli"
+    if tool in ("python", ".venv/bin/python"):
+        assert (ROOT / words[1]).is_file(), line
+        return "script"
+    if tool == "make":
+        assert re.search(rf"^{words[1]}:", (ROOT / "Makefile").read_text(), re.M), line
+        return "make"
+    assert tool in SHELL_TOOLS, f"{line!r}: not a command this project's docs may show"
+    return "shell"
+
+
+@pytest.mark.parametrize("page", DOCS, ids=[p.name for p in DOCS])
+def test_every_documented_command_parses_or_says_it_needs_a_gpu_cluster(page):
+    kinds = [checked(line, block) for block, line in commands(page)]
+    if page.name == "README.md":
+        assert kinds.count("cli") >= 4 and "cluster" in kinds
