@@ -139,17 +139,25 @@ class RouteCheck:
             h.remove()
 
 
-def layout_case(out_dir, spec, ckpt, hf, layout, seqs, ref) -> dict:
+def replaying_model(spec, ckpt, parallel):
+    """(this rank's stage built for replay, filled from `ckpt`, in eval mode; the runtime) at `parallel`."""
     from megatron.core import parallel_state
 
-    tp, ep, pp, sp, mb_tokens, recompute, cp, packed = layout
-    parallel = parallel_config(tp, ep, pp, sp, cp)
     runtime = init_runtime(parallel)
     model = build_model(spec, parallel, pre_process=parallel_state.is_pipeline_first_stage(),
                         post_process=parallel_state.is_pipeline_last_stage(), params_dtype=PARITY_DTYPE,
                         routing_replay=True)
     load_hf_weights(model, ckpt.get, spec, parallel)
-    out = response_logprobs(model.eval(), seqs, vocab_size=spec.vocab_size, max_positions=96,
+    return model.eval(), runtime
+
+
+def layout_case(out_dir, spec, ckpt, hf, layout, seqs, ref) -> dict:
+    from megatron.core import parallel_state
+
+    tp, ep, pp, sp, mb_tokens, recompute, cp, packed = layout
+    parallel = parallel_config(tp, ep, pp, sp, cp)
+    model, runtime = replaying_model(spec, ckpt, parallel)
+    out = response_logprobs(model, seqs, vocab_size=spec.vocab_size, max_positions=96,
                             max_tokens_per_micro_batch=130, device=runtime.device, packed=packed)
     record = {}
     if out is not None:
@@ -187,21 +195,14 @@ def layout_case(out_dir, spec, ckpt, hf, layout, seqs, ref) -> dict:
 def glm_case(out_dir, layout) -> tuple[float | None, float]:
     """GLM-4.5-style routing replayed at `layout`: this rank's log-prob error against transformers forced to the
     same routes (None where it holds no results), and how far the forced routes are from its own routing's."""
-    from megatron.core import parallel_state
-
     hf, _ = hf_model("glm4_moe")
     ckpt = HFCheckpoint(os.path.join(out_dir, f"hf_glm4_moe_rank{os.environ['RANK']}"))  # main() saved it
     spec = model_spec_from_hf(ckpt.config)
     seqs = routed(sequences(), spec)
     ref = hf_forced_logprobs(hf, seqs)
     own = max((r - o[0]).abs().max().item() for r, o in zip(ref, hf_response_logprobs(hf, seqs)))
-    parallel = parallel_config(*layout)
-    runtime = init_runtime(parallel)
-    model = build_model(spec, parallel, pre_process=parallel_state.is_pipeline_first_stage(),
-                        post_process=parallel_state.is_pipeline_last_stage(), params_dtype=PARITY_DTYPE,
-                        routing_replay=True)
-    load_hf_weights(model, ckpt.get, spec, parallel)
-    out = response_logprobs(model.eval(), seqs, vocab_size=spec.vocab_size, max_positions=96,
+    model, runtime = replaying_model(spec, ckpt, parallel_config(*layout))
+    out = response_logprobs(model, seqs, vocab_size=spec.vocab_size, max_positions=96,
                             max_tokens_per_micro_batch=130, device=runtime.device)
     del model
     reset_parallel_layout()
