@@ -1,5 +1,5 @@
 """tools/convert_checkpoint.py: HF <-> megatron-core distributed checkpoints at TP=2 x PP=2 (a mixture of experts,
-Qwen3-MoE's routing or GLM-4.5's, at TP=2 x EP=2 x PP=2), for real: the files equal megatron-core's own save,
+Qwen3-MoE, Qwen2-MoE or GLM-4.5, at TP=2 x EP=2 x PP=2), for real: the files equal megatron-core's own save,
 megatron-core loads them at other layouts, and conversion streams."""
 
 import dataclasses
@@ -28,7 +28,7 @@ pytestmark = pytest.mark.slow
 TOOL = Path(__file__).parents[1] / "tools" / "convert_checkpoint.py"
 
 
-MOE_KINDS = ["qwen3_moe", "glm4_moe"]
+MOE_KINDS = ["qwen3_moe", "qwen2_moe", "glm4_moe"]
 KINDS = ["qwen2_tied", "qwen2", "llama", "qwen3", *MOE_KINDS]
 # (TP, EP, PP) each kind is converted at; a mixture of experts' experts are dealt over 2 expert-parallel ranks too.
 SAVED_AT = {kind: (2, 2, 2) if kind in MOE_KINDS else (2, 1, 2) for kind in KINDS}

@@ -40,7 +40,7 @@ def test_spec_reads_the_experts_and_which_layers_have_them():
 
 
 @pytest.mark.parametrize("override,message", [
-    (dict(architectures=["Qwen2MoeForCausalLM"]), "Qwen2MoeForCausalLM is not supported: its shared expert"),
+    (dict(architectures=["Qwen2MoeForCausalLM"]), "shared_expert_intermediate_size: must be a whole number"),
     (dict(architectures=["DeepseekV3ForCausalLM"]), "DeepseekV3ForCausalLM is not supported: multi-head latent"),
     (dict(num_experts=None), "num_experts: missing"),
     (dict(moe_intermediate_size=None), "moe_intermediate_size: missing"),
@@ -356,3 +356,22 @@ def test_a_checkpoints_multi_token_prediction_layer_is_left_out(tmp_path, caplog
     save_file(tensors, tmp_path / "model.safetensors")
     with pytest.raises(Exception, match="model.layers.5.eh_proj.weight' is not part of a Glm4MoeForCausalLM"):
         HFCheckpoint(tmp_path).validate(spec)
+
+
+def test_qwen2_moes_shared_expert_and_its_gate_are_read_and_mapped():
+    from megatron_dapo.policy.model import moe_options
+
+    spec = model_spec_from_hf({**QWEN3_MOE, "architectures": ["Qwen2MoeForCausalLM"], "norm_topk_prob": False,
+                               "shared_expert_intermediate_size": 48})
+    assert (spec.shared_expert_ffn_hidden_size, spec.shared_expert_gate, spec.qkv_bias) == (48, True, True)
+    options = moe_options(spec, None)
+    assert (options["moe_shared_expert_intermediate_size"], options["moe_shared_expert_gate"],
+            options["moe_router_pre_softmax"]) == (48, True, True)  # the top k of the softmax over all, kept so
+    assert hf_names("decoder.layers.2.mlp.shared_experts.linear_fc2.weight", spec) == [
+        "model.layers.2.mlp.shared_expert.down_proj.weight"]
+    assert hf_names("decoder.layers.2.mlp.shared_experts.gate_weight", spec) == [
+        "model.layers.2.mlp.shared_expert_gate.weight"]
+    assert hf_shape("model.layers.2.mlp.shared_expert_gate.weight", spec) == (1, 64)
+    assert hf_shape("model.layers.2.mlp.shared_expert.up_proj.weight", spec) == (48, 64)
+    assert tp_dim("decoder.layers.2.mlp.shared_experts.gate_weight") is None
+

@@ -18,7 +18,9 @@ rank (no expert tensor parallelism): the local spec's `mlp.experts.local_experts
 TE's grouped `mlp.experts.linear_fc1.weight{j}`. Global names number the experts over all
 expert-parallel ranks, as they number the layers over all stages. GLM-4.5's layers add the router's expert bias
 (`mlp.router.expert_bias`, HF's `mlp.gate.e_score_correction_bias`: a buffer, kept in fp32 on both sides) and a
-shared expert (`mlp.shared_experts.linear_fc1/fc2`, split over TP as a dense MLP is).
+shared expert (`mlp.shared_experts.linear_fc1/fc2`, split over TP as a dense MLP is); Qwen2-MoE's layers a shared
+expert under HF's `mlp.shared_expert.` and its gate (`mlp.shared_experts.gate_weight`, HF's
+`mlp.shared_expert_gate.weight`).
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ _LAYER_DIRECT = {
     "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
     "mlp.router.weight": "mlp.gate.weight",
     "mlp.router.expert_bias": "mlp.gate.e_score_correction_bias",
-    "mlp.shared_experts.linear_fc2.weight": "mlp.shared_experts.down_proj.weight",
+    "mlp.shared_experts.gate_weight": "mlp.shared_expert_gate.weight",
 }
 # Megatron tensors kept in fp32 whatever the model's dtype (and so in the exported files): the expert bias, which
 # only orders the experts' scores, where bf16 would tie them.
@@ -137,10 +139,20 @@ def hf_names(mname: str, spec: ModelSpec) -> list[str]:
     if suffix in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
         kind = suffix.rsplit(".", 1)[1]
         return [f"{prefix}self_attn.{p}_proj.{kind}" for p in "qkv"]
-    if suffix in ("mlp.linear_fc1.weight", "mlp.shared_experts.linear_fc1.weight"):
-        mlp = suffix.removesuffix("linear_fc1.weight")
-        return [f"{prefix}{mlp}gate_proj.weight", f"{prefix}{mlp}up_proj.weight"]
+    if suffix == "mlp.linear_fc1.weight":
+        return [prefix + "mlp.gate_proj.weight", prefix + "mlp.up_proj.weight"]
+    if suffix == "mlp.shared_experts.linear_fc1.weight":
+        shared = prefix + shared_expert_prefix(spec)
+        return [shared + "gate_proj.weight", shared + "up_proj.weight"]
+    if suffix == "mlp.shared_experts.linear_fc2.weight":
+        return [prefix + shared_expert_prefix(spec) + "down_proj.weight"]
     raise MappingError(f"no Hugging Face counterpart for Megatron tensor {mname!r}")
+
+
+def shared_expert_prefix(spec: ModelSpec) -> str:
+    """Where a checkpoint keeps the shared expert's MLP inside a layer: Qwen2-MoE's one `shared_expert`, GLM-4.5's
+    `shared_experts`."""
+    return "mlp.shared_expert." if spec.architecture == "Qwen2MoeForCausalLM" else "mlp.shared_experts."
 
 
 def megatron_names(spec: ModelSpec, *, te_names: bool = False) -> list[str]:
@@ -154,6 +166,8 @@ def megatron_names(spec: ModelSpec, *, te_names: bool = False) -> list[str]:
                 mlp.append("mlp.router.expert_bias")
             if spec.shared_expert_ffn_hidden_size:
                 mlp += ["mlp.shared_experts.linear_fc1.weight", "mlp.shared_experts.linear_fc2.weight"]
+            if spec.shared_expert_gate:
+                mlp.append("mlp.shared_experts.gate_weight")
             for j in range(spec.num_experts):
                 mlp += ([f"mlp.experts.linear_fc1.weight{j}", f"mlp.experts.linear_fc2.weight{j}"] if te_names else
                         [f"mlp.experts.local_experts.{j}.linear_fc1.weight",
@@ -212,10 +226,10 @@ def hf_shape(hf_name: str, spec: ModelSpec) -> tuple[int, ...]:
         "q_norm.weight": (d,), "k_norm.weight": (d,),
         "gate_proj.weight": (spec.ffn_hidden_size, h), "up_proj.weight": (spec.ffn_hidden_size, h),
         "down_proj.weight": (h, spec.ffn_hidden_size), "gate.weight": (spec.num_experts, h),
-        "gate.e_score_correction_bias": (spec.num_experts,),
+        "gate.e_score_correction_bias": (spec.num_experts,), "shared_expert_gate.weight": (1, h),
     }
     key = ".".join(hf_name.split(".")[-2:])
-    if ".mlp.experts." in hf_name or ".mlp.shared_experts." in hf_name:  # moe_intermediate_size wide (x shared)
+    if ".mlp.experts." in hf_name or ".mlp.shared_expert" in hf_name and key != "shared_expert_gate.weight":
         f = spec.moe_ffn_hidden_size if ".mlp.experts." in hf_name else spec.shared_expert_ffn_hidden_size
         return {"gate_proj.weight": (f, h), "up_proj.weight": (f, h), "down_proj.weight": (h, f)}[key]
     return table[key]

@@ -18,11 +18,11 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": (False, True),
     "Qwen3MoeForCausalLM": (False, True),
     "Glm4MoeForCausalLM": (False, False),  # q/k norms as config.json's use_qk_norm says
+    "Qwen2MoeForCausalLM": (True, False),
 }
-MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Glm4MoeForCausalLM")
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "Glm4MoeForCausalLM")
 # Mixtures of experts whose layers megatron-core could build but whose mapping is not written yet: refused by name.
 REFUSED_ARCHITECTURES = {
-    "Qwen2MoeForCausalLM": "its shared expert and the shared expert's gate are not mapped yet",
     "DeepseekV3ForCausalLM": "multi-head latent attention, sigmoid routing with expert bias and multi-token prediction "
                              "are not mapped yet",
 }
@@ -81,8 +81,10 @@ class ModelSpec:
     moe_groups: int = 0
     moe_group_topk: int = 0
     routed_scaling_factor: float = 1.0
-    # A shared expert beside the routed ones in every MoE layer, this wide (0: none)
+    # A shared expert beside the routed ones in every MoE layer, this wide (0: none); with a gate (Qwen2-MoE's), its
+    # output times sigmoid(a linear map of the layer's input to one number)
     shared_expert_ffn_hidden_size: int = 0
+    shared_expert_gate: bool = False
     # The share of each head's dimensions the rotary embedding turns (the first ones); the rest pass unrotated
     rotary_percent: float = 1.0
     # Multi-token prediction layers a checkpoint holds after the decoder's (GLM-4.5's num_nextn_predict_layers):
@@ -175,7 +177,8 @@ def model_spec_from_hf(config) -> ModelSpec:
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
         rope_scaling=rope_scaling,
         rotary_percent=_rotary_percent(config),
-        **(_moe_fields(config) if arch == "Qwen3MoeForCausalLM" else {}),
+        **(_moe_fields(config) if arch in ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM") else {}),
+        **(_shared_expert_fields(config) if arch == "Qwen2MoeForCausalLM" else {}),
         **(_glm_moe_fields(config) if arch == "Glm4MoeForCausalLM" else {}),
     )
 
@@ -257,9 +260,17 @@ def _glm_moe_fields(config: dict) -> dict:
             "mtp_layers": config.get("num_nextn_predict_layers", 0)}
 
 
+def _shared_expert_fields(config: dict) -> dict:
+    """Qwen2-MoE's shared expert (shared_expert_intermediate_size wide) and its sigmoid gate."""
+    width = config.get("shared_expert_intermediate_size")
+    if not isinstance(width, int) or isinstance(width, bool) or width < 1:
+        raise ConfigError(f"shared_expert_intermediate_size: must be a whole number >= 1 in config.json, got {width!r}")
+    return {"shared_expert_ffn_hidden_size": width, "shared_expert_gate": True}
+
+
 def _moe_fields(config: dict) -> dict:
-    """Qwen3-MoE's experts and router, as transformers builds them: layer i is sparse unless it is in
-    mlp_only_layers, if (i + 1) % decoder_sparse_step == 0."""
+    """Qwen3-MoE's and Qwen2-MoE's experts and router, as transformers builds them: layer i is sparse unless it is
+    in mlp_only_layers, if (i + 1) % decoder_sparse_step == 0."""
     # transformers 5 writes num_local_experts; the published Qwen3-MoE configs say num_experts
     experts = config.get("num_experts", config.get("num_local_experts"))
     if not experts:

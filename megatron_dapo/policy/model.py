@@ -155,6 +155,8 @@ def moe_options(spec: ModelSpec, aux_loss_coef: float | None, routing_replay: bo
         "moe_router_fusion": False,
         "moe_permute_fusion": False,
         "moe_enable_routing_replay": routing_replay,
+        "moe_shared_expert_intermediate_size": spec.shared_expert_ffn_hidden_size or None,
+        "moe_shared_expert_gate": spec.shared_expert_gate,
         **glm_routing_options(spec),
     }
 
@@ -174,7 +176,6 @@ def glm_routing_options(spec: ModelSpec) -> dict:
         "moe_router_num_groups": spec.moe_groups or None,
         "moe_router_group_topk": spec.moe_group_topk or None,
         "moe_router_topk_scaling_factor": spec.routed_scaling_factor,
-        "moe_shared_expert_intermediate_size": spec.shared_expert_ffn_hidden_size or None,
     }
 
 

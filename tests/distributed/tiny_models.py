@@ -8,6 +8,8 @@ from transformers import (
     LlamaForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
     Qwen3MoeConfig,
@@ -68,6 +70,10 @@ def hf_model(kind: str, seed: int = 0):
         cfg = Qwen3MoeConfig(**TINY, **{**TINY_MOE, "mlp_only_layers": []}, head_dim=24,
                              architectures=["Qwen3MoeForCausalLM"])
         model = Qwen3MoeForCausalLM(cfg)
+    elif kind == "qwen2_moe":  # a shared expert with its sigmoid gate; the top k not renormalised (Qwen1.5-MoE's)
+        cfg = Qwen2MoeConfig(**TINY, **{**TINY_MOE, "norm_topk_prob": False}, shared_expert_intermediate_size=48,
+                             architectures=["Qwen2MoeForCausalLM"])
+        model = Qwen2MoeForCausalLM(cfg)
     elif kind == "glm4_moe":
         cfg = Glm4MoeConfig(**TINY, **TINY_GLM, architectures=["Glm4MoeForCausalLM"])
         model = Glm4MoeForCausalLM(cfg)
