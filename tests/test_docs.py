@@ -121,3 +121,9 @@ def test_every_documented_command_parses_or_says_it_needs_a_gpu_cluster(page):
     kinds = [checked(line, block) for block, line in commands(page)]
     if page.name == "README.md":
         assert kinds.count("cli") >= 4 and "cluster" in kinds
+
+
+@pytest.mark.parametrize("page", DOCS, ids=[p.name for p in DOCS])
+def test_every_config_snippet_names_real_keys(page):
+    for block in re.findall(r"```yaml\n(.*?)```", page.read_text(), re.S):
+        assert flat(yaml.safe_load(block)) <= keys(), f"{page.name}: {sorted(flat(yaml.safe_load(block)) - keys())}"
