@@ -94,9 +94,21 @@ def reference() -> str:
     return "\n".join(parts)
 
 
+def _preset_row() -> tuple[str, str, str, str]:
+    """algorithm.preset, which load_config resolves into the switches before the sections are built."""
+    from megatron_dapo.algorithm.presets import PRESETS
+
+    recipes = "; ".join(f'"{name}": ' + ", ".join(f"{k} {v}" for k, v in settings.items())
+                        for name, settings in PRESETS.items())
+    return ("algorithm.preset", "str | None", "null",
+            "A recipe that fills the switches the config leaves unset (a switch the config sets overrides it); null: "
+            f"each key's own default, which is DAPO's. {recipes}")
+
+
 def _rows(prefix: str, cls) -> list[tuple[str, str, str, str]]:
     """(key, type, default, comment) of every field of `cls`, a nested section's fields under its own key."""
-    hints, source, out = typing.get_type_hints(cls), _fields_in_source(cls), []
+    hints, source = typing.get_type_hints(cls), _fields_in_source(cls)
+    out = [_preset_row()] if prefix == "algorithm" else []
     for f in dataclasses.fields(cls):
         if not f.init:
             continue
