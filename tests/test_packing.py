@@ -252,8 +252,8 @@ def test_an_updates_routing_agreement_counts_each_token_once_with_activation_rec
     made = []
 
     class Kept(train_step.RoutingAgreement):
-        def __init__(self, model):
-            super().__init__(model)
+        def __init__(self, *args):
+            super().__init__(*args)
             made.append(self)
 
     monkeypatch.setattr(train_step, "RoutingAgreement", Kept)

@@ -74,3 +74,16 @@ def test_glm_style_routes_replayed_are_transformers_forced_to_them(runs, layout)
     assert all(own > 1e-2 for _, own in found)  # the random routes are not the routers' own
     errors = [e for e, _ in found if e is not None]
     assert errors and max(errors) < 1e-5, found
+
+
+@pytest.mark.parametrize("layout", LAYOUTS[1:])
+def test_the_routing_agreement_of_a_step_is_the_same_whatever_the_split(runs, layout):
+    """The share of response tokens whose routers' own top k is the replayed one, over the whole batch: the same
+    at every layout (its counts are summed over the ranks), with pipeline stages and activation recompute too,
+    where a layer's forward runs again in its backward after later micro-batches' forwards (counted once)."""
+    results, _ = runs
+    base = results[BASE][0]["routing_agreement"]
+    assert len(base) == 3 and all(0 < a < 1 for a in base)  # random routes: some agree by chance, not all
+    for record in results[layout]:
+        assert record["routing_agreement"] == pytest.approx(base, abs=1e-12), record
+

@@ -236,7 +236,7 @@ class PolicyTrainer:
         units = loss_units([s.loss_mask for s in samples], self.loss_cfg.aggregation)
         load = ExpertLoad(self.module)
         balance = LoadBalancing(self.module, self.aux_coef, units, mbs, self.recompute)
-        agreement = RoutingAgreement(self.module) if measure_routing and replayer is not None else None
+        agreement = RoutingAgreement(self.module, self.recompute) if measure_routing and replayer is not None else None
         try:
             with balance, load, agreement if agreement is not None else nullcontext():
                 outputs = get_forward_backward_func()(

@@ -180,13 +180,13 @@ def layout_case(out_dir, spec, ckpt, hf, layout, seqs, ref) -> dict:
                zip(routed([r.sequence for r in batch(hf)], spec), batch(hf))][dp_rank::dp]
     check = RouteCheck(trainer.module)
     before = gathered_hf_state(trainer.module, spec, parallel)
-    result = trainer.step(samples)
+    result = trainer.step(samples, measure_routing=True)
     after = gathered_hf_state(trainer.module, spec, parallel)
     check.close()
     tag = "replay-" + tag_of(layout)
     torch.save({k: after[k] - before[k] for k in after}, os.path.join(out_dir, f"{tag}-rank{dist.get_rank()}.pt"))
     record.update(router_calls=check.calls, wrong_calls=check.wrong, recomputed_calls=check.recomputed,
-                  loss=result.loss)
+                  loss=result.loss, routing_agreement=result.routing_agreement)
     del trainer
     reset_parallel_layout()
     return record, missing
