@@ -17,6 +17,7 @@ SPLITS = ["tp1-ep2-pp1-mb62", "tp1-ep2-pp1-mb62-r", "tp2-ep2-pp1-sp-mb200", "tp1
           "tp2-ep2-pp1-sp-mb200-p"]  # model.packing, with sequence and expert parallelism
 AUX = "tp1-ep2-pp2-mb200-aux"  # the same step with model.moe_aux_loss_coef 0.01
 AUX_SP = "tp2-ep2-pp1-sp-mb200-aux"  # ... at TP2 + SP: the same micro-batches (DP2), their tokens split over TP
+AUX_RECOMPUTE = "tp1-ep2-pp2-mb200-r-aux"  # ... with activation recompute under the pipeline schedule
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +36,7 @@ def runs(tmp_path_factory):
         return json.loads((out / f"{tag}.json").read_text()), change
 
     return {"parity": json.loads((out / "parity.json").read_text()),
-            **{t: step(t) for t in [BASE, *SPLITS, AUX, AUX_SP]}}
+            **{t: step(t) for t in [BASE, *SPLITS, AUX, AUX_SP, AUX_RECOMPUTE]}}
 
 
 @pytest.mark.parametrize("layout", PARITY)
@@ -97,12 +98,15 @@ def test_the_load_balancing_loss_is_reported_and_acts_on_the_routers(runs):
     assert aux_meta["loss"] == pytest.approx(plain_meta["loss"], rel=1e-6)  # the policy loss is the same
 
 
-def test_the_load_balancing_loss_is_the_same_whatever_the_sequence_parallel_split(runs):
+@pytest.mark.parametrize("other", [AUX_SP, AUX_RECOMPUTE])
+def test_the_load_balancing_loss_is_the_same_whatever_the_sequence_parallel_split_or_recompute(runs, other):
     """The same micro-batches (DP 2, budget 200) at PP2 and at TP2 + SP, where each micro-batch's tokens are split
     over the TP ranks and its length padded to a multiple of 2: the same loss value and the same step. Each rank's
     share of the aux gradient has the same weight (the micro-batch's real tokens; megatron-core's padding mask would
-    weight it by the real tokens of the rank's share), and padding is left out."""
-    (pp_meta, pp), (sp_meta, sp) = runs[AUX], runs[AUX_SP]
+    weight it by the real tokens of the rank's share), and padding is left out. With activation recompute under
+    the pipeline schedule each micro-batch's loss is attached in its layer's recompute, from the micro-batch queued
+    at its first forward."""
+    (pp_meta, pp), (sp_meta, sp) = runs[AUX], runs[other]
     assert sp_meta["load_balancing_loss"] == pytest.approx(pp_meta["load_balancing_loss"], rel=1e-5)
     scale = max(v.abs().max().item() for v in pp.values())
     worst = max((sp[k] - pp[k]).abs().max().item() for k in pp) / scale

@@ -149,6 +149,7 @@ def main(out_dir: str) -> None:
         training_case(out_dir, spec, ckpt.get, hf, layout)
     training_case(out_dir, spec, ckpt.get, hf, TRAINING[-2], aux_loss_coef=0.01)
     training_case(out_dir, spec, ckpt.get, hf, TRAINING[3], aux_loss_coef=0.01)  # the same micro-batches, SP-split
+    training_case(out_dir, spec, ckpt.get, hf, TRAINING[-1], aux_loss_coef=0.01)  # ... PP2 with recompute
     training_case(out_dir, spec, ckpt.get, hf, TRAINING[1], plain_optimizer=True)
     training_case(out_dir, spec, ckpt.get, hf, TRAINING[3], packed=True)
     shutdown_runtime()
