@@ -67,7 +67,7 @@ def timing_config(root: Path, mode: str, args) -> dict:
         "reward": {"num_workers": 1, "timeout_s": 5.0},
         "algorithm": {"batch_size": args.batch, "group_size": 8, "oversample_factor": 1.5, "max_sampling_rounds": 4,
                       "max_response_len": args.response_len, "overlong_cache_len": 4},
-        "loss": {"tis_cap": 2.0},
+        "loss": {"correction": {"preset": "tis"}},
         "optim": {"lr": 2e-4, "warmup_steps": 0, "weight_decay": 0.0},
         "train": {"steps": args.steps, "updates_per_step": 2, "checkpoint_every": 0, "keep_last": 1,
                   "tensorboard": False, "resume": False},
@@ -83,7 +83,7 @@ def learning_config(root: Path, mode: str, args) -> dict:
                     "max_prompt_len": 32},
            "train": {**DAPO["train"], "tensorboard": False}}
     if mode != "sync":
-        cfg["loss"] = {**DAPO["loss"], "tis_cap": 2.0}
+        cfg["loss"] = {**DAPO["loss"], "correction": {"preset": "tis"}}
     return cfg
 
 

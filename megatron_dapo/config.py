@@ -13,7 +13,13 @@ import urllib.parse
 from dataclasses import dataclass, field
 
 from megatron_dapo.errors import DapoError
-from megatron_dapo.ops.loss_settings import DapoLossParamError, check_aggregation, check_dapo_loss_params
+from megatron_dapo.ops.loss_settings import (
+    CORRECTION_PRESETS,
+    DapoLossParamError,
+    check_aggregation,
+    check_correction_params,
+    check_dapo_loss_params,
+)
 
 
 log = logging.getLogger(__name__)
@@ -151,8 +157,62 @@ class OptimConfig:
         return self.lr * min(1.0, (update + 1) / (self.warmup_steps * updates_per_step))
 
 
-TIS_MODES = ("truncate", "mask")
 OLD_LOGPROB_SOURCES = ("recompute", "rollout")
+
+
+@dataclass(frozen=True)
+class CorrectionConfig:
+    """loss.correction: the rollout correction, a weight per loss token for the engine's mismatch with the trainer
+    and for the older weights a one_step_off / async batch was sampled by (ops/rollout_correction.py has the
+    equations). Off unless a preset or a level is set."""
+
+    # A recipe by name, filling level, action, lower and upper where they are unset (one that is set overrides it):
+    # "tis" token truncate at 2 (truncated IS); "icepop" token mask [0.5, 5]; "seq_mask" sequence mask at 3 (TRL's
+    # default); "geo_rs" geometric reject [0.99, 1.01] (SkyRL's first choice); "seq_mis" sequence mask at 2 (masked
+    # IS). null: none.
+    preset: str | None = None
+    # What a token's ratio is: "token", its own pi_old / pi_rollout; "sequence", its response's, exp of the sum of
+    # the log-ratios (unbiased; shrinks long responses' weights: exp(L x the mean log-ratio)); "geometric", exp of
+    # their mean (length-free). null: no correction.
+    level: str | None = None
+    # What the ratio does to the token's term: "truncate", weighted min(ratio, upper); "mask", weighted ratio inside
+    # [lower, upper] and 0 outside; "reject", weighted 1 inside and 0 outside. A weight of 0 keeps the token in the
+    # normaliser.
+    action: str | None = None
+    lower: float | None = None  # mask / reject: the band's lower end (null: none); truncate has none
+    upper: float | None = None  # truncate: the cap (>= 1); mask / reject: the band's upper end
+
+    def __post_init__(self):
+        if self.preset is not None:
+            _require(self.preset in CORRECTION_PRESETS, "loss.correction.preset",
+                     f"must be one of {', '.join(map(repr, CORRECTION_PRESETS))} or null, got {self.preset!r}")
+            level, action, lower, upper = CORRECTION_PRESETS[self.preset]
+            for name, value in (("level", level), ("action", action), ("upper", upper)):
+                if getattr(self, name) is None:
+                    object.__setattr__(self, name, value)  # resolved here, so the saved config says what ran
+            if self.lower is None and self.action != "truncate":  # a band's end; truncate has none
+                object.__setattr__(self, "lower", lower)
+        if self.level is None:
+            for name in ("action", "lower", "upper"):
+                _require(getattr(self, name) is None, f"loss.correction.{name}",
+                         "is set, but loss.correction.level is not (no correction): set loss.correction.preset or "
+                         f"loss.correction.level, or remove loss.correction.{name}")
+            return
+        _require(self.action is not None and self.upper is not None, "loss.correction.level",
+                 f"{self.level!r} needs loss.correction.action and loss.correction.upper too (or a "
+                 "loss.correction.preset to fill them)")
+        try:
+            check_correction_params(level=self.level, action=self.action, lower=self.lower, upper=self.upper)
+        except DapoLossParamError as e:
+            raise ConfigError(f"loss.correction.{e.param}: {e.message}") from None
+
+    @property
+    def enabled(self) -> bool:
+        return self.level is not None
+
+    def rule(self) -> dict:
+        """The op's arguments (ops/rollout_correction.correction_weights)."""
+        return {"level": self.level, "action": self.action, "lower": self.lower, "upper": self.upper}
 
 
 @dataclass(frozen=True)
@@ -172,16 +232,11 @@ class LossConfig:
     # How the step's token terms are averaged (ops/loss_aggregation.py): "token" (DAPO), every loss token of the
     # step weighs the same; "sample" (GRPO), each response's mean over its tokens, then the mean over responses.
     aggregation: str = "token"
-    # Truncated importance sampling: weight each token by min(pi_old / pi_rollout, cap) to correct the
-    # mismatch between the inference engine's and the trainer's probabilities, and for the older weights a
-    # one_step_off batch was sampled by (decoupled PPO: pi_rollout is the behaviour policy, pi_old the
-    # proximal one). None: off. The weight multiplies the KL term too (loss.kl_coef > 0): that term is a mean
-    # of a per-token estimate over the tokens the engine sampled, and the weight moves that mean from the
-    # engine's distribution to pi_old's, the one the policy-gradient term is corrected to; leaving it out would
-    # estimate the KL under the engine's token frequencies, not the policy's.
-    tis_cap: float | None = None
-    # "truncate": weight min(ratio, cap); "mask": weight ratio, and 0 (the token left out) past the cap.
-    tis_mode: str = "truncate"
+    # The rollout correction (a nested section): weights for the engine's mismatch and a stale batch's older weights.
+    # They multiply the KL term too (loss.kl_coef > 0): that term is a mean of a per-token estimate over the tokens
+    # the engine sampled, and the weights move it from the engine's distribution to pi_old's, as they do the
+    # policy-gradient term.
+    correction: CorrectionConfig = field(default_factory=CorrectionConfig)
     # Where pi_old's log-probs come from. "recompute": a forward-only pass of the current weights over the batch
     # (the paper's way; it also measures the engine's mismatch). "rollout": the engine's own, returned as it
     # sampled; exact only where the engine is the trained policy itself at these weights (the in-process engine
@@ -202,15 +257,12 @@ class LossConfig:
         _require(not self.kl_ref_refresh_steps or self.kl_coef > 0, "loss.kl_ref_refresh_steps",
                  f"refreshes the KL term's reference every {self.kl_ref_refresh_steps} steps, but loss.kl_coef is 0 "
                  "(no KL term); set loss.kl_coef > 0, or loss.kl_ref_refresh_steps to 0")
-        _require(self.tis_cap is None or self.tis_cap >= 1, "loss.tis_cap",
-                 f"must be >= 1 or null (off), got {self.tis_cap}")
-        _require(self.tis_mode in TIS_MODES, "loss.tis_mode",
-                 f"must be one of {', '.join(map(repr, TIS_MODES))}, got {self.tis_mode!r}")
         _require(self.old_logprobs in OLD_LOGPROB_SOURCES, "loss.old_logprobs",
                  f"must be one of {', '.join(map(repr, OLD_LOGPROB_SOURCES))}, got {self.old_logprobs!r}")
-        _require(self.old_logprobs == "recompute" or self.tis_cap is None, "loss.old_logprobs",
+        _require(self.old_logprobs == "recompute" or not self.correction.enabled, "loss.old_logprobs",
                  "'rollout' takes pi_old to be the engine's own distribution, so there is no mismatch for "
-                 "loss.tis_cap to correct; set loss.old_logprobs to 'recompute', or loss.tis_cap to null")
+                 "loss.correction to correct (and no recomputed pi_old to take a ratio against); set "
+                 "loss.old_logprobs to 'recompute', or remove loss.correction")
 
 
 ACTIVATION_RECOMPUTE = ("none", "full")

@@ -69,10 +69,14 @@ class DapoConfig:
         if r.engine == "sglang" and r.weight_sync == "tensor":
             _require(r.server_tensor_parallel == 1 and r.num_servers == 1, "rollout.weight_sync",
                      "'tensor' (colocated) pushes to one server at TP 1; use 'distributed' or 'disk'")
-        _require(r.mode == "sync" or self.loss.tis_cap is not None, "loss.tis_cap",
-                 f"must be set with rollout.mode {r.mode!r}: its batches were sampled by the weights of the step "
-                 "before, and each token is weighted by min(pi_old / pi_rollout, cap) to correct for them "
-                 "(decoupled PPO); set loss.tis_cap (2.0 is common), or rollout.mode to 'sync'")
+        correction = self.loss.correction
+        _require(r.mode == "sync" or correction.enabled, "loss.correction",
+                 f"must be set with rollout.mode {r.mode!r}: its batches were sampled by older weights, and the loss "
+                 "must weigh the engine's samples over to pi_old (decoupled PPO); set loss.correction.preset "
+                 "('tis' is the common one), or rollout.mode to 'sync'")
+        _require(not (correction.enabled and r.mode == "sync" and r.engine == "local"), "loss.correction",
+                 "the in-process engine in sync mode samples with the very weights and kernels being trained, so "
+                 "there is no mismatch to correct; remove loss.correction, or use rollout.engine 'sglang'")
         _require(self.loss.old_logprobs == "recompute" or r.engine == "local", "loss.old_logprobs",
                  f"'rollout' is exact only for the in-process engine in sync mode (it samples with the very weights "
                  f"being trained); rollout.engine {r.engine!r} samples with its own copy and kernels: set "
@@ -114,9 +118,12 @@ def _coerce(value, annotation, key: str):
     return value
 
 
-# Keys that moved to another section: named in the error, not just refused.
+# Keys that moved: named in the error, not just refused.
 MOVED_KEYS = {"train.eval_every": "eval.every", "train.eval_samples_per_prompt": "eval.samples_per_prompt",
-              "train.eval_max_prompts": "eval.max_prompts"}
+              "train.eval_max_prompts": "eval.max_prompts",
+              "loss.tis_cap": "loss.correction (tis_cap: C is loss.correction: {preset: tis, upper: C})",
+              "loss.tis_mode": "loss.correction (tis_mode: mask is loss.correction: {level: token, action: mask, "
+                               "upper: C})"}
 
 
 def _build(cls, data, prefix: str):

@@ -77,10 +77,11 @@ class DapoTrainer:
         recomputed), then the step's updates; their metrics."""
         loss, policy = self.cfg.loss, self.policy
         with timer("old_logprob"):
-            samples, sums, abs_max, agreement = training_samples(
+            samples, sums, maxima, agreement = training_samples(
                 policy.module.eval(), policy.reference, share, spec=policy.spec,
                 max_tokens_per_micro_batch=self.cfg.model.max_tokens_per_micro_batch, device=self.runtime.device,
-                tis_cap=loss.tis_cap, tis_mode=loss.tis_mode, temperature=self.cfg.rollout.temperature,
+                correction=loss.correction.rule() if loss.correction.enabled else None,
+                temperature=self.cfg.rollout.temperature,
                 old_logprobs=loss.old_logprobs, packed=self.cfg.model.packing)
             policy.module.train()
         with timer("train"):
@@ -89,7 +90,7 @@ class DapoTrainer:
             results = [policy.trainer.step(update, measure_routing=i == 0 and agreement is None)
                        for i, update in enumerate(self.updates.cut(samples, share, self.step_index + 1))]
         self.bad_steps.observe(self.step_index + 1, results, self.feed.batch_prompts)
-        return train_metrics(results, sums, abs_max, loss, agreement)
+        return train_metrics(results, sums, maxima, loss, agreement)
 
     def _doing(self, what: str, within_s: float | None = None, key: str | None = None) -> None:
         """What this rank's main thread does now, for its heartbeat (named if it gets stuck there); `within_s`:

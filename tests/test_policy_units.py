@@ -233,13 +233,3 @@ def test_micro_batches_respect_the_budget_and_keep_every_token():
 def test_bad_sequences(seq, message):
     with pytest.raises(ValueError, match=message):
         check_sequences([seq], max_positions=96)
-
-
-def test_tis_weights_truncate_or_mask_past_the_cap():
-    from megatron_dapo.policy.mismatch import tis_weights
-
-    ratio = torch.tensor([0.5, 1.0, 2.0, 3.0], dtype=torch.float64)
-    assert tis_weights(ratio.log(), 2.0).tolist() == pytest.approx([0.5, 1.0, 2.0, 2.0])
-    assert tis_weights(ratio.log(), 2.0, "mask").tolist() == pytest.approx([0.5, 1.0, 2.0, 0.0])
-    # Where the behaviour and proximal policies agree the weight is exactly 1, in both modes.
-    assert tis_weights(torch.zeros(3), 2.0, "mask").tolist() == [1.0, 1.0, 1.0]

@@ -26,9 +26,10 @@ def test_shipped_configs_load(name):
 
 def test_overrides_are_read_as_yaml():
     cfg = config_from_dict(MINIMAL, ["optim.lr=2e-6", "loss.dual_clip_c=3", "rollout.server_urls=[http://a:1]",
-                                     "loss.tis_cap=null", "train.tensorboard=false"])
+                                     "loss.correction.preset=icepop", "train.tensorboard=false"])
     assert cfg.optim.lr == 2e-6 and cfg.loss.dual_clip_c == 3.0 and cfg.rollout.server_urls == ["http://a:1"]
-    assert cfg.loss.tis_cap is None and cfg.train.tensorboard is False
+    assert cfg.loss.correction.rule() == {"level": "token", "action": "mask", "lower": 0.5, "upper": 5.0}
+    assert cfg.train.tensorboard is False
 
 
 @pytest.mark.parametrize("override,key", [
@@ -42,7 +43,25 @@ def test_overrides_are_read_as_yaml():
     ("loss.log_ratio_clamp=100", "loss.log_ratio_clamp: must be in \\(0, 80.0\\]"),
     ("loss.dual_clip_c=0.5", "loss.dual_clip_c"),
     ("loss.kl_type=k2", "loss.kl_type"),
-    ("loss.tis_cap=0.5", "loss.tis_cap"),
+    # Issue 52: the rollout correction's rules, by key.
+    ("loss.tis_cap=2", "loss.tis_cap: moved to loss.correction \\(tis_cap: C is loss.correction: "
+                       "{preset: tis, upper: C}\\)"),
+    ("loss.correction.preset=tis_mask", "loss.correction.preset: must be one of 'tis', 'icepop', 'seq_mask', "
+                                        "'geo_rs', 'seq_mis' or null, got 'tis_mask'"),
+    ("loss.correction.level=tokens", "loss.correction.level: 'tokens' needs loss.correction.action"),
+    ("loss.correction={level: tokens, action: mask, upper: 2}", "loss.correction.level: must be one of 'token', "
+                                                                "'sequence', 'geometric', got 'tokens'"),
+    ("loss.correction={level: token, action: clip, upper: 2}", "loss.correction.action: must be one of"),
+    ("loss.correction.upper=2", "loss.correction.upper: is set, but loss.correction.level is not"),
+    ("loss.correction={preset: tis, upper: 0.5}", "loss.correction.upper: caps the weight, and must be >= 1"),
+    ("loss.correction={preset: tis, upper: .inf}", "loss.correction.upper: must be a finite number, got inf"),
+    ("loss.correction={preset: tis, lower: 0.5}", "loss.correction.lower: is for 'mask' and 'reject'"),
+    ("loss.correction={preset: icepop, lower: 6}", "loss.correction.lower: must be below upper: [6.0, 5.0] is "
+                                                   "out of order"),
+    ("loss.correction={preset: icepop, lower: 1.5}", "loss.correction.lower: the band [1.5, 5.0] must hold 1"),
+    ("loss.correction={preset: geo_rs, upper: 0.999}", "loss.correction.upper: the band [0.99, 0.999] must hold 1"),
+    ("loss.correction={level: sequence, action: reject, upper: 0.9}", "loss.correction.upper: the band [0, 0.9]"),
+    ("loss.correction={preset: icepop, lower: -1}", "loss.correction.lower: must be a finite number >= 0"),
     ("loss.old_logprobs=engine", "loss.old_logprobs: must be one of 'recompute', 'rollout'"),
     ("optim.lr=0", "optim.lr"),
     ("optim.lr=fast", "optim.lr: must be float"),
@@ -66,7 +85,7 @@ def test_overrides_are_read_as_yaml():
     ("rollout.weight_sync=nfs", "rollout.weight_sync"),
     ("rollout.mode=fully_async", "rollout.mode: must be one of 'sync', 'one_step_off', 'async'"),
     ("rollout.max_staleness=0", "rollout.max_staleness: must be a whole number >= 1"),
-    ("loss.tis_mode=clip", "loss.tis_mode: must be one of 'truncate', 'mask'"),
+    ("loss.tis_mode=mask", "loss.tis_mode: moved to loss.correction"),
     ("rollout.server_urls=http://a", "rollout.server_urls: must be a list"),
     # Issue 49: malformed URLs were found only after the policy was built, as a JSONDecodeError or KeyError.
     ("rollout.server_urls=[localhost:30000]", "rollout.server_urls[0]: 'localhost:30000' is not a server's URL"),
@@ -117,24 +136,27 @@ def test_bad_values_name_their_key(override, key):
      "rollout.server_nodes: names 2 node"),
     # Sampling beside training: the servers must be free while the trainer trains, and the batch is corrected
     # for the older weights that sampled it.
-    (["rollout.mode=one_step_off", "loss.tis_cap=2", "rollout.engine=local"],
+    (["rollout.mode=one_step_off", "loss.correction.preset=tis", "rollout.engine=local"],
      "rollout.mode: 'one_step_off' .* set rollout.engine to 'sglang'"),
-    (["rollout.mode=one_step_off", "loss.tis_cap=2", "rollout.colocate=true", "rollout.weight_sync=disk"],
+    (["rollout.mode=one_step_off", "loss.correction.preset=tis", "rollout.colocate=true", "rollout.weight_sync=disk"],
      "rollout.mode: 'one_step_off' .* rollout.colocate .* set rollout.colocate to false"),
-    (["rollout.mode=one_step_off"], "loss.tis_cap: must be set with rollout.mode 'one_step_off'"),
-    (["rollout.mode=async", "loss.tis_cap=2", "rollout.colocate=true", "rollout.weight_sync=disk"],
+    (["rollout.mode=one_step_off"], "loss.correction: must be set with rollout.mode 'one_step_off'"),
+    (["rollout.mode=async", "loss.correction.preset=tis", "rollout.colocate=true", "rollout.weight_sync=disk"],
      "rollout.mode: 'async' .* rollout.colocate"),
-    (["rollout.mode=async"], "loss.tis_cap: must be set with rollout.mode 'async'"),
+    (["rollout.mode=async"], "loss.correction: must be set with rollout.mode 'async'"),
+    # Issue 52: the in-process engine samples with the trained weights and kernels: nothing to correct.
+    (["rollout.engine=local", "loss.correction.preset=icepop"],
+     "loss.correction: the in-process engine in sync mode .* no mismatch to correct"),
     (["rollout.job_timeout_s=60", "rollout.request_timeout_s=600"],
      "rollout.job_timeout_s: 60 s is shorter than one group's rollout.request_timeout_s"),
-    (["rollout.mode=one_step_off", "loss.tis_cap=2", "rollout.max_staleness=2"],
+    (["rollout.mode=one_step_off", "loss.correction.preset=tis", "rollout.max_staleness=2"],
      "rollout.max_staleness: bounds rollout.mode 'async' only .* set rollout.mode to 'async'"),
     # The engine's log-probs are pi_old's only where it samples with the very weights being trained.
     (["loss.old_logprobs=rollout"],
      "loss.old_logprobs: 'rollout' is exact only for the in-process engine in sync mode .* "
      "rollout.engine 'sglang' samples .* set loss.old_logprobs to 'recompute'"),
-    (["loss.old_logprobs=rollout", "rollout.engine=local", "loss.tis_cap=2"],
-     "loss.old_logprobs: 'rollout' .* no mismatch for loss.tis_cap to correct"),
+    (["loss.old_logprobs=rollout", "rollout.engine=local", "loss.correction.preset=tis"],
+     "loss.old_logprobs: 'rollout' .* no mismatch for loss.correction to correct"),
     # A reference refreshed between checkpoints could not be restored by a resume.
     (["loss.kl_coef=0.01", "loss.kl_ref_refresh_steps=4", "train.checkpoint_every=10"],
      "train.checkpoint_every: 10 is not a multiple of loss.kl_ref_refresh_steps 4"),

@@ -155,7 +155,7 @@ def test_train_then_sglang_step_killed_then_resume(cluster, task, tmp_path):
     fails, naming it; the same job script again resumes from the latest checkpoint and trains to the end."""
     out, task = tmp_path / "run", run_data(task, tmp_path)
     out.mkdir()
-    job = submit(cluster, out, task, "train.steps=30", "rollout.mode=one_step_off", "loss.tis_cap=2.0")
+    job = submit(cluster, out, task, "train.steps=30", "rollout.mode=one_step_off", "loss.correction.preset=tis")
     marker = out / "checkpoints" / "step_000002" / "COMPLETE"
     deadline = time.monotonic() + 900
     while not marker.exists() and job_field(cluster, job, "JobState") not in ENDED and time.monotonic() < deadline:
@@ -179,7 +179,7 @@ def test_train_then_sglang_step_killed_then_resume(cluster, task, tmp_path):
     # batch the stopped job had sampled for it (in the checkpoint's buffer, staleness 1), the second's batch is
     # sampled during the first, and the first's weights are pushed into the server as it samples
     resumed_from = int(latest_checkpoint(out / "checkpoints").name.removeprefix("step_"))
-    job = submit(cluster, out, task, f"train.steps={resumed_from + 2}", "rollout.mode=async", "loss.tis_cap=2.0")
+    job = submit(cluster, out, task, f"train.steps={resumed_from + 2}", "rollout.mode=async", "loss.correction.preset=tis")
     state, code = wait_job(cluster, job, out)
     assert (state, code) == ("COMPLETED", "0:0"), job_output(out, job)
     assert [r["step"] for r in metrics(out)] == list(range(1, resumed_from + 3))

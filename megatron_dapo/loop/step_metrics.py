@@ -8,7 +8,7 @@ from contextlib import contextmanager
 
 from megatron_dapo.config import LossConfig
 from megatron_dapo.ops.dapo_loss_checks import STAT_NAMES
-from megatron_dapo.policy.mismatch import reduce_mismatch
+from megatron_dapo.policy.mismatch import mismatch_metrics, reduce_mismatch
 
 
 class StepTimer:
@@ -24,10 +24,10 @@ class StepTimer:
         self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
 
 
-def train_metrics(results, sums, abs_max, loss: LossConfig, agreement: list[float] | None = None
+def train_metrics(results, sums, maxima, loss: LossConfig, agreement: list[float] | None = None
                   ) -> dict[str, float]:
     """The step's updates (`results`: policy.train_step.StepResult) and, unless loss.old_logprobs is "rollout",
-    the old policy's pass (`sums`, `abs_max`: policy.mismatch; `agreement`: its routing agreement per MoE layer,
+    the old policy's pass (`sums`, `maxima`: policy.mismatch; `agreement`: its routing agreement per MoE layer,
     else the first update's) in the metrics' terms."""
     stats = {k: sum(r.stats[k] for r in results) for k in STAT_NAMES if k != "ratio_max"}
     loss_tokens = max(stats["num_tokens"], 1.0)
@@ -64,13 +64,10 @@ def train_metrics(results, sums, abs_max, loss: LossConfig, agreement: list[floa
         out["entropy"] = sum(r.entropy_mean * r.stats["num_tokens"] for r in results) / loss_tokens
         if loss.kl_coef == 0:
             return out
-    m = reduce_mismatch(sums, abs_max)
+    m = reduce_mismatch(sums, maxima)
     tokens = max(m["tokens"], 1.0)
     if recomputed:
-        out.update({"entropy": m["entropy_sum"] / tokens, "mismatch/kl": m["mismatch_k3_sum"] / tokens,
-                    "mismatch/abs_mean": m["mismatch_abs_sum"] / tokens, "mismatch/abs_max": m["abs_max"]})
+        out.update({"entropy": m["entropy_sum"] / tokens, **mismatch_metrics(m, loss.correction.enabled)})
     if loss.kl_coef > 0:  # how far the sampling policy is from the KL term's reference
         out["kl_reference"] = m["reference_k3_sum"] / tokens
-    if loss.tis_cap is not None:
-        out.update({"tis/weight_mean": m["tis_weight_sum"] / tokens, "tis/capped_frac": m["tis_capped"] / tokens})
     return out

@@ -5,8 +5,9 @@ the whole share in one forward-only pass and handed from the last pipeline stage
 like the reference policy's, they are those of softmax(logits / rollout.temperature), the
 distribution the engine sampled from and whose log-probs it returned.
 Everything per token is built once for the share, on the rank's device, and cut into per-response
-views: the engine's log-probs travel to the device in one copy. When loss.tis_cap is set, each token
-is weighted by min(pi_old / pi_rollout, cap) (truncated importance sampling; policy/mismatch.py).
+views: the engine's log-probs travel to the device in one copy. With loss.correction each token gets its
+weight (ops/rollout_correction.py) here, where whole responses are, before any split into micro-batches or
+context-parallel shares: a response's ratio needs all its tokens.
 With loss.old_logprobs "rollout" (the in-process engine in sync mode, which sampled with these very
 weights) the engine's log-probs are pi_old's and nothing is recomputed: no entropies, no mismatch.
 With routing replay the recompute also counts the routing agreement (policy/routing_agreement.py).
@@ -19,7 +20,8 @@ import torch
 from megatron_dapo.parallel.rank_shares import PackedShare
 from megatron_dapo.policy.batch import Sequence
 from megatron_dapo.policy.forward import response_logprobs, to_every_stage
-from megatron_dapo.policy.mismatch import MISMATCH_KEYS, mismatch_sums, tis_weights
+from megatron_dapo.ops.rollout_correction import correction_weights
+from megatron_dapo.policy.mismatch import empty_sums, mismatch_sums
 from megatron_dapo.policy.routing_agreement import RoutingAgreement
 from megatron_dapo.policy.train_step import RolloutSample
 
@@ -34,14 +36,15 @@ def _flat_logprobs(model, seqs: list[Sequence], numel: int, device: torch.device
 
 
 def training_samples(model, reference, share: PackedShare, *, spec, max_tokens_per_micro_batch: int,
-                     device: torch.device, tis_cap: float | None, tis_mode: str = "truncate",
-                     temperature: float = 1.0, old_logprobs: str = "recompute", packed: bool = False
+                     device: torch.device, correction: dict | None = None, temperature: float = 1.0,
+                     old_logprobs: str = "recompute", packed: bool = False
                      ) -> tuple[list[RolloutSample], torch.Tensor, torch.Tensor, list[float] | None]:
-    """RolloutSamples for `share` (this rank's responses), on `device`; this rank's mismatch sums
-    (MISMATCH_KEYS) and largest |log pi_old - log pi_rollout| over its loss tokens (zeros on all but one
+    """RolloutSamples for `share` (this rank's responses), on `device`; this rank's mismatch sums and maxima
+    (policy/mismatch.py) over its loss tokens (zeros on all but one
     rank per data-parallel replica, so that world-wide sums count every response once; with `old_logprobs`
     "rollout" only the loss tokens and the KL reference's sum are not zeros); and with routing replay and a
-    recompute, the routing agreement per MoE layer over all ranks (collective), else None. `temperature`:
+    recompute, the routing agreement per MoE layer over all ranks (collective), else None. `correction`:
+    loss.correction's rule (CorrectionConfig.rule()), None for none. `temperature`:
     rollout.temperature, at which the old (and reference) log-probs and entropies are computed. `old_logprobs`:
     loss.old_logprobs. `packed`: model.packing."""
     from megatron.core import parallel_state
@@ -67,20 +70,20 @@ def training_samples(model, reference, share: PackedShare, *, spec, max_tokens_p
     in_loss = share.in_loss.to(device).repeat_interleave(per_token)
     log_ratio = old.double() - rollout  # log pi_old / pi_rollout
     none = [None] * len(share)
-    weights = tis_weights(log_ratio, tis_cap, tis_mode).float().split(lengths) if tis_cap is not None else none
+    weights = correction_weights(log_ratio, per_token, in_loss, **correction) if correction is not None else None
     samples = [RolloutSample(seq, lp, adv, mask, r, w)
                for seq, lp, adv, mask, r, w in zip(
                    seqs, old.float().split(lengths), advantages.repeat_interleave(per_token).split(lengths),
-                   in_loss.split(lengths), ref.float().split(lengths) if ref is not None else none, weights)]
+                   in_loss.split(lengths), ref.float().split(lengths) if ref is not None else none,
+                   weights.float().split(lengths) if weights is not None else none)]
 
     reporter = parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0 \
         and parallel_state.get_context_parallel_rank() == 0
     if reporter and (entropy is not None or ref is not None):
         # With the engine's log-probs as pi_old nothing is recomputed (no entropy; a mismatch of 0), but the KL
         # reference's distance is still there to sum.
-        sums, abs_max = mismatch_sums(log_ratio, entropy, in_loss, tis_cap, tis_mode,
-                                      ref.double() - old.double() if ref is not None else None)
+        sums, maxima = mismatch_sums(log_ratio, per_token, entropy, in_loss, weights,
+                                     ref.double() - old.double() if ref is not None else None)
     else:
-        sums, abs_max = torch.zeros(len(MISMATCH_KEYS), dtype=torch.float64, device=device), \
-            torch.zeros(1, dtype=torch.float64, device=device)
-    return samples, sums, abs_max, agreement.shares() if agreement is not None else None
+        sums, maxima = empty_sums(device)
+    return samples, sums, maxima, agreement.shares() if agreement is not None else None

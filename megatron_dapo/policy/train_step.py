@@ -51,7 +51,7 @@ class RolloutSample:
     advantages: torch.Tensor  # [response_len]
     loss_mask: torch.Tensor  # [response_len] bool: the tokens in the loss (and in its token-level normaliser)
     ref_logp: torch.Tensor | None = None  # [response_len], for the optional KL penalty
-    # [response_len] fp32 weights of the loss tokens' terms (truncated IS); a weight of 0 keeps its token in the
+    # [response_len] fp32 weights of the loss tokens' terms (the rollout correction); a weight of 0 keeps its token in the
     # normaliser: the token was sampled and belongs to the step, however little it counts.
     loss_weight: torch.Tensor | None = None
 
@@ -161,8 +161,8 @@ class PolicyTrainer:
             logp, entropy = micro_batch_logprobs(logits, mb, self.spec.vocab_size, inplace_backward=True,
                                                  temperature=self.temperature)
             c = self.loss_cfg
-            # One weighted mask for both terms: truncated IS corrects the KL term's token mean as it does the
-            # policy gradient's (why: LossConfig.tis_cap).
+            # One weighted mask for both terms: the rollout correction moves the KL term's token mean as it does
+            # the policy gradient's (why: LossConfig.correction).
             loss, stats = dapo_loss(logp, old_logp, advantages,
                                     mask if weight is None else torch.where(mask, weight, 0.0),
                                     eps_low=c.eps_low, eps_high=c.eps_high, normalizer=1.0, dual_clip_c=c.dual_clip_c,

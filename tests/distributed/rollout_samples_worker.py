@@ -1,9 +1,10 @@
-"""torchrun worker: a rollout batch's responses -> training samples with the old policy's log-probs, truncated
-IS weights, a KL reference and the mismatch metrics reduced over the world, at the layouts given; and the
+"""torchrun worker: a rollout batch's responses -> training samples with the old policy's log-probs, the rollout
+correction's weights, a KL reference and the mismatch metrics reduced over the world, at the layouts given; and the
 in-process engine's refusal of the policy split at each of them.
 
-argv: OUT_DIR LAYOUT [LAYOUT ...], a layout being tp,pp. Rank 0 writes OUT_DIR/tp{tp}-pp{pp}.json with the
-largest differences from a host recomputation over the transformers reference.
+argv: OUT_DIR LAYOUT [LAYOUT ...], a layout being tp,pp,cp,packed,max_tokens_per_micro_batch. Rank 0 writes
+OUT_DIR/tp{tp}-pp{pp}-cp{cp}.json with the largest differences from a host recomputation over the transformers
+reference.
 """
 
 import json
@@ -16,6 +17,7 @@ from tiny_models import PARITY_DTYPE, hf_model, hf_response_logprobs, sequences
 
 from megatron_dapo.checkpoint.hf_weights import load_hf_weights
 from megatron_dapo.config import ConfigError, ParallelConfig
+from megatron_dapo.ops.rollout_correction_reference import correction_weights_reference
 from megatron_dapo.parallel.rank_shares import PackedShare
 from megatron_dapo.parallel.runtime import init_runtime, reset_parallel_layout, shutdown_runtime
 from megatron_dapo.policy.hf_config import model_spec_from_hf
@@ -26,6 +28,11 @@ from megatron_dapo.rollout.local_engine import LocalEngine
 from megatron_dapo.samples import TrainItem
 
 TIS_CAP = 1.05
+TOKEN_TIS = {"level": "token", "action": "truncate", "lower": None, "upper": TIS_CAP}
+# A band each responses' ratios straddle here (the engine's log-probs are 0.05-noisy per token): some leave the loss.
+CORRECTIONS = {"token_truncate": TOKEN_TIS,
+               "sequence_mask": {"level": "sequence", "action": "mask", "lower": 0.95, "upper": 1.05},
+               "geometric_reject": {"level": "geometric", "action": "reject", "lower": 0.99, "upper": 1.01}}
 
 
 def items_and_expected(hf):
@@ -42,10 +49,15 @@ def items_and_expected(hf):
             log_ratios.append(logp - rollout)
             entropies.append(entropy)
     r = torch.cat(log_ratios)
+    seq = torch.stack([x.sum() for x in log_ratios])
     expected = {"tokens": r.numel(), "entropy_sum": torch.cat(entropies).sum().item(),
                 "mismatch_k3_sum": (torch.exp(-r) + r - 1).sum().item(), "mismatch_abs_sum": r.abs().sum().item(),
-                "tis_weight_sum": r.exp().clamp(max=TIS_CAP).sum().item(),
-                "tis_capped": (r.exp() > TIS_CAP).sum().item(), "abs_max": r.abs().max().item(),
+                "token_ratio_sum": r.exp().sum().item(), "token_ratio_sq_sum": r.exp().square().sum().item(),
+                "sequences": len(log_ratios), "seq_ratio_sum": seq.exp().sum().item(),
+                "seq_log_ratio_sum": seq.sum().item(), "seq_log_ratio_sq_sum": seq.square().sum().item(),
+                "weight_sum": r.exp().clamp(max=TIS_CAP).sum().item(), "masked_tokens": 0, "masked_sequences": 0,
+                "abs_max": r.abs().max().item(), "token_ratio_max": r.exp().max().item(),
+                "seq_ratio_max": seq.exp().max().item(),
                 # With the engine's log-probs taken as pi_old (loss.old_logprobs "rollout"), the reference (the
                 # policy's weights) is r away from them: k3 of log pi_ref - log pi_old.
                 "rollout_reference_k3_sum": (torch.exp(r) - r - 1).sum().item()}
@@ -61,10 +73,18 @@ def local_engine_refusal(model, spec, device) -> str:
     raise AssertionError("LocalEngine accepted a split policy")
 
 
-def run_layout(out_dir, tp, pp, hf, spec):
+def reference_weights(items, reference) -> dict[str, list[list[float]]]:
+    """Each correction's weights, per response, from the transformers reference's log-probs (float64)."""
+    log_ratios = [(lp - torch.tensor(item.rollout_logp, dtype=torch.float64)).tolist()
+                  for item, lp in zip(items, reference)]
+    in_loss = [[item.in_loss] * len(r) for item, r in zip(items, log_ratios)]
+    return {name: correction_weights_reference(log_ratios, in_loss, **rule) for name, rule in CORRECTIONS.items()}
+
+
+def run_layout(out_dir, tp, pp, cp, packed, max_tokens, hf, spec):
     from megatron.core import parallel_state
 
-    parallel = ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp, device="cpu")
+    parallel = ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp, context_parallel=cp, device="cpu")
     runtime = init_runtime(parallel)
     stages = []
     for _ in range(2):  # the policy and the frozen KL reference
@@ -73,14 +93,21 @@ def run_layout(out_dir, tp, pp, hf, spec):
         load_hf_weights(model, hf.state_dict().__getitem__, spec, parallel)
         stages.append(model.eval())
     items, expected, reference = items_and_expected(hf)
-    samples, sums, abs_max, _ = training_samples(stages[0], stages[1], PackedShare.pack([items]), spec=spec,
-                                                 max_tokens_per_micro_batch=100, device=runtime.device,
-                                                 tis_cap=TIS_CAP)
-    metrics = reduce_mismatch(sums, abs_max)
-    _, sums, abs_max, _ = training_samples(stages[0], stages[1], PackedShare.pack([items]), spec=spec,
-                                           max_tokens_per_micro_batch=100, device=runtime.device, tis_cap=None,
-                                           old_logprobs="rollout")
-    rollout_metrics = reduce_mismatch(sums, abs_max)
+    share = PackedShare.pack([items])
+    kwargs = dict(spec=spec, max_tokens_per_micro_batch=max_tokens, device=runtime.device, packed=bool(packed))
+    samples, sums, maxima, _ = training_samples(stages[0], stages[1], share, correction=TOKEN_TIS, **kwargs)
+    metrics = reduce_mismatch(sums, maxima)
+    _, sums, maxima, _ = training_samples(stages[0], stages[1], share, old_logprobs="rollout", **kwargs)
+    rollout_metrics = reduce_mismatch(sums, maxima)
+    # Each correction's weights as the loss gets them, against the host's from the reference's log-probs: a
+    # response's sequence-level weight is its whole own, however the layout splits it.
+    want = reference_weights(items, reference)
+    weight_err, masked = {}, {}
+    for name, rule in CORRECTIONS.items():
+        got = training_samples(stages[0], None, share, correction=rule, **kwargs)[0]
+        weight_err[name] = max(abs(g - w) / max(w, 1e-9) for s, ws in zip(got, want[name])
+                               for g, w in zip(s.loss_weight.tolist(), ws))
+        masked[name] = sum(w == 0 for ws in want[name] for w in ws)
     old_err = max((s.old_logp.double().cpu() - r).abs().max().item() for s, r in zip(samples, reference))
     ref_err = max((s.ref_logp.double().cpu() - r).abs().max().item() for s, r in zip(samples, reference))
     on_device = all(t.is_cuda for s in samples
@@ -91,8 +118,8 @@ def run_layout(out_dir, tp, pp, hf, spec):
                   "dtypes": [str(samples[0].loss_mask.dtype), str(samples[0].loss_weight.dtype)],
                   "left_out_masked": not bool(samples[1].loss_mask.any()),
                   "metrics": metrics, "rollout_metrics": rollout_metrics, "expected": expected,
-                  "local_engine_refusal": refusal}
-        with open(os.path.join(out_dir, f"tp{tp}-pp{pp}.json"), "w") as f:
+                  "local_engine_refusal": refusal, "weight_err": weight_err, "masked": masked}
+        with open(os.path.join(out_dir, f"tp{tp}-pp{pp}-cp{cp}.json"), "w") as f:
             json.dump(record, f)
     reset_parallel_layout()
 
