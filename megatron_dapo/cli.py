@@ -1,4 +1,4 @@
-"""The `megatron-dapo` command: train, preflight, config, demo, convert."""
+"""The `megatron-dapo` command: train, preflight, mismatch, config, demo, convert."""
 
 from __future__ import annotations
 
@@ -36,6 +36,18 @@ def build_parser() -> argparse.ArgumentParser:
                            help="memory bandwidth of one GPU (default: H100 SXM's)")
     preflight.add_argument("--gpus", type=int, default=None,
                            help="trainer GPUs (processes); default: what the config implies, printed")
+    mismatch = commands.add_parser("mismatch", help="sample a few groups from the config's servers, recompute them "
+                                   "with its trainer's layout, print the engine-vs-trainer mismatch by response "
+                                   "position, and exit 1 past a threshold (under torchrun for TP / PP > 1)")
+    mismatch.add_argument("config", help="the run's YAML config, with rollout.server_urls")
+    mismatch.add_argument("overrides", nargs="*", help="section.key=value overrides, as for train")
+    mismatch.add_argument("--prompts", type=int, default=8, help="prompts of data.train_path to sample (the first)")
+    mismatch.add_argument("--samples", type=int, default=4, help="responses per prompt")
+    mismatch.add_argument("--max-new-tokens", type=int, default=256, help="tokens per response at most")
+    mismatch.add_argument("--threshold", type=float, default=None, help="the mean |log-ratio| over all tokens past "
+                          "which it exits 1 (default: the start-up check's, 0.05; bf16 kernels give about 0.01, "
+                          "other weights or another temperature far more)")
+    mismatch.add_argument("--json", default=None, help="also write the table and verdict to this file")
     # Imported here, not at the top: multiprocessing's spawned children (reward workers, the rollout service, the
     # checkpoint writer's helper) run this module again as their __main__, and the demo package loads torch and
     # transformers, 2.5 s of CPU per child spent for nothing.
@@ -102,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"megatron-dapo preflight: bad config: {e}", file=sys.stderr)
             return 2
         return 0
+    if args.command == "mismatch":
+        return _mismatch(args)
     if args.command == "config":
         return _config(args, parser)
     if args.command == "demo":
@@ -115,6 +129,36 @@ def main(argv: list[str] | None = None) -> int:
             return _explain("demo", e, log_file, 0)
     parser.error(f"unknown command {args.command!r}")
     return 2
+
+
+def _mismatch(args) -> int:
+    from megatron_dapo.config import ConfigError
+    from megatron_dapo.mismatch_check import format_table, run_mismatch_check, write_json
+    from megatron_dapo.parallel.runtime import launch_env
+    from megatron_dapo.run_config import load_config
+
+    from megatron_dapo.rollout.logprob_check import DEFAULT_ATOL
+
+    rank = launch_env().rank
+    threshold = DEFAULT_ATOL if args.threshold is None else args.threshold
+    try:
+        cfg = load_config(args.config, args.overrides)
+        rows, ok = run_mismatch_check(cfg, prompts=args.prompts, samples=args.samples,
+                                      max_new_tokens=args.max_new_tokens, threshold=threshold)
+    except ConfigError as e:
+        print(f"megatron-dapo mismatch: bad config: {e}", file=sys.stderr)
+        return 2
+    except EXPLAINED as e:
+        print(f"megatron-dapo mismatch: {e}", file=sys.stderr)
+        return 1
+    if rank == 0:
+        print(format_table(rows))
+        verdict = "within" if ok else "PAST"
+        print(f"mean |log pi_trainer - log pi_engine| {rows[-1].abs_mean:.3g} over {rows[-1].tokens} tokens: "
+              f"{verdict} the threshold {threshold:g}")
+        if args.json:
+            write_json(args.json, rows, threshold, ok)
+    return 0 if ok else 1
 
 
 def _config(args, parser) -> int:

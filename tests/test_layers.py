@@ -17,7 +17,7 @@ LAYERS = {
     3: ("checkpoint", "algorithm"),
     4: ("rollout", "weight_sync"),
     5: ("service",),
-    6: ("loop", "trainer", "slurm", "cli", "demo", "preflight"),
+    6: ("loop", "trainer", "slurm", "cli", "demo", "preflight", "mismatch_check"),
 }
 LAYER_OF = {part: layer for layer, parts in LAYERS.items() for part in parts}
 SETTINGS = {("algorithm", "presets")}  # besides each part's config.py

@@ -113,3 +113,16 @@ def test_the_op_refuses_what_the_config_refuses():
     with pytest.raises(ValueError, match="lower must be below upper"):
         correction_weights(torch.zeros(2, dtype=torch.float64), torch.tensor([2]), torch.ones(2, dtype=torch.bool),
                            level="token", action="mask", lower=2.0, upper=1.5)
+
+
+def test_the_mismatch_kl_is_an_unbiased_estimate_of_kl_engine_to_trainer():
+    """Tokens sampled from the engine's distribution p: mismatch/kl estimates KL(p || q) of the trainer's q (k3 of
+    log q - log p, whose mean under p is the KL). k3 of the opposite sign has mean chi2(p || q) - KL: 0.355 here."""
+    from megatron_dapo.policy.mismatch import mismatch_sums
+
+    p, q = torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64), torch.tensor([0.2, 0.3, 0.5], dtype=torch.float64)
+    tokens = torch.multinomial(p, 400_000, replacement=True, generator=torch.Generator().manual_seed(0))
+    r = q.log()[tokens] - p.log()[tokens]  # log pi_old - log pi_rollout
+    sums, _ = mismatch_sums(r, torch.tensor([r.numel()]), None, torch.ones_like(r, dtype=torch.bool))
+    kl = (p * (p / q).log()).sum().item()  # 0.275
+    assert sums[2].item() / r.numel() == pytest.approx(kl, rel=0.02)

@@ -196,3 +196,53 @@ def test_dynamic_sampling_keeps_the_first_mixed_groups_in_draw_order(server, sec
     # Not what the first groups to complete would give: the 4 mixed groups whose longest response is shortest.
     longest = {i: max(len(s.output_ids) for s in full[i]) for i in mixed}
     assert set(sorted(mixed, key=longest.get)[:4]) != set(mixed[:4])
+
+
+def test_the_mismatch_command_prints_its_table_and_fails_past_its_threshold_when_the_server_holds_other_weights(
+        server, tmp_path):
+    """Issue 52: `megatron-dapo mismatch` samples the run's own prompts from a real CPU server, recomputes them with
+    the trainer's policy (fp32 here, as the server) and prints the mismatch by response position; with the server
+    holding other weights (the same tokenizer) the mean |log-ratio| is far past the threshold and it exits 1."""
+    import subprocess
+    import sys
+
+    import yaml
+    from tiny_models import save_with_tokenizer
+
+    from megatron_dapo.data.prompt_file import write_rows
+    from megatron_dapo.data.synthetic_math import generate_rows
+    from megatron_dapo.rollout.sglang_server import post_json
+
+    srv, _, root = server
+    write_rows(tmp_path / "train.jsonl", generate_rows(8, 0, digits=1))
+    cfg = {"model": {"path": str(root / "model"), "dtype": "float32"},
+           "data": {"train_path": str(tmp_path / "train.jsonl"), "chat_template": False},
+           "rollout": {"server_urls": [srv.url], "temperature": 0.8}, "parallel": {"device": "cpu"},
+           "train": {"output_dir": str(tmp_path / "run")}}
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
+
+    def mismatch(name):
+        done = subprocess.run([sys.executable, "-m", "megatron_dapo.cli", "mismatch", str(tmp_path / "run.yaml"),
+                               "--prompts", "4", "--samples", "2", "--max-new-tokens", "40", "--json",
+                               str(tmp_path / f"{name}.json")], capture_output=True, text=True, timeout=600)
+        assert (tmp_path / f"{name}.json").exists(), done.stderr[-3000:]
+        return done, json.loads((tmp_path / f"{name}.json").read_text())
+
+    done, same = mismatch("same")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "| positions | tokens | mean abs log-ratio |" in done.stdout and "within the threshold 0.05" in done.stdout
+    every = same["rows"][-1]
+    assert every["positions"] == "all" and every["tokens"] >= 16 and same["ok"]
+    assert every["abs_max"] < 1e-4 and every["icepop_masked"] == 0, every  # fp32 both sides
+    assert [r["positions"] for r in same["rows"][:2]] == ["0-15", "16-63"]
+
+    save_with_tokenizer(tmp_path / "other", seed=1)
+    assert post_json(f"{srv.url}/update_weights_from_disk", {"model_path": str(tmp_path / "other"),
+                                                             "weight_version": "other"}, 300)["success"]
+    try:
+        done, other = mismatch("other")
+    finally:
+        sglang_server_as_started((srv, None, root))
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "PAST the threshold 0.05" in done.stdout and not other["ok"]
+    assert other["rows"][-1]["abs_mean"] > 0.1 and other["rows"][-1]["k3"] > 0.01, other["rows"][-1]

@@ -30,6 +30,20 @@ def test_single_process_without_launcher():
     assert launch_env({}).world_size == 1
 
 
+def test_a_single_process_without_launcher_rendezvouses_on_a_free_port_not_torchruns():
+    """Issue 52: a one-process `megatron-dapo mismatch` failed with EADDRINUSE on 29500, which a run beside it
+    held."""
+    with socket.socket() as held:
+        held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            held.bind(("127.0.0.1", 29500))
+            held.listen()
+        except OSError:
+            pass  # held by another process already: as good
+        port = launch_env({}).master_port
+    assert port != 29500 and port >= PORT_FLOOR
+
+
 def test_free_ports_lie_below_the_ephemeral_range_and_differ_whatever_the_seed():
     """A port inside the ephemeral range may be taken by any process's outgoing connection before the listener
     binds it (the suite's lanes failed so); two processes seeded alike must not draw the same port."""

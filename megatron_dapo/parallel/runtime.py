@@ -70,7 +70,10 @@ def launch_env(environ=None) -> LaunchEnv:
         rank, world, local = 0, 1, 0
     if world > 1 and "MASTER_ADDR" not in env:
         raise ConfigError("MASTER_ADDR: not set; launch with torchrun, or export MASTER_ADDR/MASTER_PORT for srun")
-    return LaunchEnv(rank, world, local, env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", 29500)),
+    # A world of one without a launcher rendezvouses with itself: on a free port, not torchrun's 29500, which
+    # another run on the machine (or a test lane) may hold.
+    port = int(env["MASTER_PORT"]) if "MASTER_PORT" in env else 29500 if world > 1 else free_port()
+    return LaunchEnv(rank, world, local, env.get("MASTER_ADDR", "127.0.0.1"), port,
                      env.get("SLURMD_NODENAME") or socket.gethostname())
 
 
@@ -166,6 +169,21 @@ def driver_value(value):
     box = [value]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def driver_call(fn):
+    """Every rank (collective): what `fn()` returns on the driver, which alone calls it; an exception it raises there
+    is raised on every rank (the others would otherwise wait in their next collective until it times out)."""
+    payload = None
+    if dist.get_rank() == 0:
+        try:
+            payload = ("ok", fn())
+        except Exception as e:  # noqa: BLE001 - handed to every rank, raised there
+            payload = ("error", e)
+    status, value = driver_value(payload)
+    if status == "error":
+        raise value
+    return value
 
 
 def reset_parallel_layout() -> None:

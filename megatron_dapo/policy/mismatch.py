@@ -45,7 +45,7 @@ def mismatch_sums(log_ratio: torch.Tensor, lengths: torch.Tensor, entropy: torch
     else:
         corrected = [zero, zero, zero]
     sums = torch.stack([
-        in_loss.sum().double(), entropy[in_loss].double().sum() if entropy is not None else zero, _k3(-r).sum(),
+        in_loss.sum().double(), entropy[in_loss].double().sum() if entropy is not None else zero, _k3(r).sum(),
         r.abs().sum(), _k3(reference_log_ratio[in_loss].double()).sum() if reference_log_ratio is not None else zero,
         ratio.sum(), ratio.square().sum(),
         has_loss.sum().double(), seq_ratio.sum(), seq_log.sum(), seq_log.square().sum(),

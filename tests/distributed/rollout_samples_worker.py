@@ -51,7 +51,7 @@ def items_and_expected(hf):
     r = torch.cat(log_ratios)
     seq = torch.stack([x.sum() for x in log_ratios])
     expected = {"tokens": r.numel(), "entropy_sum": torch.cat(entropies).sum().item(),
-                "mismatch_k3_sum": (torch.exp(-r) + r - 1).sum().item(), "mismatch_abs_sum": r.abs().sum().item(),
+                "mismatch_k3_sum": (torch.exp(r) - r - 1).sum().item(), "mismatch_abs_sum": r.abs().sum().item(),
                 "token_ratio_sum": r.exp().sum().item(), "token_ratio_sq_sum": r.exp().square().sum().item(),
                 "sequences": len(log_ratios), "seq_ratio_sum": seq.exp().sum().item(),
                 "seq_log_ratio_sum": seq.sum().item(), "seq_log_ratio_sq_sum": seq.square().sum().item(),
