@@ -85,6 +85,23 @@ def test_a_rank_that_fails_says_why_and_the_other_ends_at_its_next_beat_naming_i
         end(procs)
 
 
+def test_the_other_ranks_end_only_after_a_failed_rank_has_said_its_own_error():
+    """A failed rank stops its helpers before it says its error and exits; another rank's early exit made the
+    launcher kill it before it said it (torchrun under load: the run's one-line error never printed). The other rank
+    now ends two beats after the failed one said it was ending."""
+    procs = start("fail_slowly", "0")
+    try:
+        assert wait(procs, 1) == PEER_FAILED_EXIT_CODE
+        ended = time.time()
+        assert wait(procs, 0) == 1
+        said = procs[0].stdout.read()
+        assert "rank 0: its own error at " in said, said
+        assert float(said.split("its own error at ")[1].split()[0]) < ended
+        assert "failed: FileNotFoundError: train.jsonl: no such file. Ending this rank too" in procs[1].stdout.read()
+    finally:
+        end(procs)
+
+
 def test_ranks_that_end_raise_no_alarm():
     procs = start("finish")
     try:

@@ -11,7 +11,11 @@ and exits with STUCK_EXIT_CODE, which makes the launcher (torchrun, srun) stop e
 rollout service then stops its servers. A store that does not answer for that long is stuck itself (it lives in
 rank 0, or in torchrun's agent), and is named the same way. A rank that ends says so, so that the others do not
 take it for stuck; a rank that fails (a bad input found while setting up, an error in a step) says why, and each
-other rank ends at its next beat naming it and its error, rather than wait in a collective for a rank that is gone.
+other rank ends naming it and its error, rather than wait in a collective for a rank that is gone. Not at once: the
+failed rank first stops what it started and says its own error, and the launcher (torchrun, srun) stops every rank
+when any exits, so an early exit of another rank had the failed one killed before it said it (seen under load).
+Each other rank ends two beats after the failed rank said it was ending, or parallel.heartbeat_timeout_s after it
+said it failed, if its ending hangs; the launcher usually stops it before either.
 
 A rank blocked in I/O (a checkpoint write on a filesystem that stalls) still beats. So what the main thread
 does may carry a deadline of its own (`set_doing(..., within_s=, key=)`), which the rank's heartbeat thread
@@ -36,7 +40,8 @@ STUCK_EXIT_CODE = 75
 PEER_FAILED_EXIT_CODE = 1
 PREFIX = "megatron_dapo/heartbeat/"
 EXITED = "exited"
-FAILED = "failed: "
+FAILED = "failed: "  # then the error: the rank is stopping what it started
+FAILED_EXITED = "exited, failed: "  # then the error: it has, and is ending
 
 
 class StoreStuck(RuntimeError):
@@ -108,6 +113,8 @@ class RankHeartbeat:
         keys = [self._key(r) for r in others]
         last: dict[int, str] = {}
         moved = {r: time.monotonic() for r in others}  # when each beat last changed
+        failed: dict[int, float] = {}  # when each rank was first seen failing
+        ended: dict[int, float] = {}  # when each failed rank was first seen ending
         try:
             while not self._stop.wait(self.interval_s):
                 self._check_deadline()
@@ -120,9 +127,15 @@ class RankHeartbeat:
                 for rank, value in zip(others, self._call(self._store.multi_get, keys)):
                     value = value.decode()
                     _, node, pid, doing = value.split("|", 3)
-                    if doing.startswith(FAILED):
-                        self._end(f"rank {rank} (node {node}, pid {pid}) {doing}", PEER_FAILED_EXIT_CODE,
-                                  "Ending this rank too ({code})")
+                    if doing.startswith((FAILED, FAILED_EXITED)):
+                        since = failed.setdefault(rank, now)
+                        if doing.startswith(FAILED_EXITED):
+                            ended.setdefault(rank, now)
+                        if now - ended.get(rank, now) >= 2 * self.interval_s or now - since > self.timeout_s:
+                            error = doing.removeprefix(FAILED_EXITED).removeprefix(FAILED)
+                            self._end(f"rank {rank} (node {node}, pid {pid}) {FAILED}{error}", PEER_FAILED_EXIT_CODE,
+                                      "Ending this rank too ({code})")
+                        continue
                     if value != last.get(rank):
                         last[rank], moved[rank] = value, now
                     elif doing != EXITED and now - moved[rank] > self.timeout_s:
@@ -167,7 +180,8 @@ class RankHeartbeat:
         if self._store is None:
             return
         try:
-            self._beat(self.doing if self.doing.startswith(FAILED) else EXITED)
+            failing = self.doing.startswith(FAILED)
+            self._beat(FAILED_EXITED + self.doing.removeprefix(FAILED) if failing else EXITED)
         except StoreStuck:
             pass  # the store is gone already: the job is ending
 
