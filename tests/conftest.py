@@ -50,6 +50,7 @@ def built_once(tmp_path_factory, name: str, build) -> Path:
 # so that none starts a long one when the other is nearly done. The rest follow in their own order.
 LONGEST_FIRST = ["test_trainer_loop.py", "test_slurm_launch.py", "test_weight_sync.py", "test_gpu_check.py",
                  "test_rollout_resilience.py", "test_rollout_sglang.py", "test_moe_learns.py", "test_moe_sglang.py",
+                 "test_repeatable_runs.py",
                  "test_trainer_checkpoint.py", "test_bad_input.py", "test_convert_checkpoint.py",
                  "test_rollout_service.py", "test_ablation_bench.py", "test_chain_task.py",
                  "test_memory_benches.py", "test_policy_parity.py", "test_reward.py", "test_policy_training.py",
