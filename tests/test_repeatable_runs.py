@@ -10,6 +10,7 @@ step is deterministic on the CPU."""
 
 import asyncio
 import json
+import os
 import random
 import threading
 
@@ -73,7 +74,8 @@ class DelayingProxy:
 
 @pytest.fixture(scope="module")
 def servers(task, tmp_path_factory):
-    """Two deterministic CPU servers on the task's model, the second behind the delaying proxy: their URLs."""
+    """Two deterministic CPU servers on the task's model, the second behind the delaying proxy: their URLs, and
+    the API key they were started with (the lane's, which an earlier module's run may have set; None: none)."""
     from megatron_dapo.rollout.sglang_server import SGLangServer, SGLangServerConfig
 
     root = tmp_path_factory.mktemp("repeat_servers")
@@ -82,7 +84,7 @@ def servers(task, tmp_path_factory):
     with SGLangServer(config, root / "a.log") as a, SGLangServer(config, root / "b.log") as b:
         proxy = DelayingProxy(b.url)
         try:
-            yield [a.url, proxy.url]
+            yield [a.url, proxy.url], os.environ.get(SERVER_KEY_ENV)
         finally:
             proxy.close()
 
@@ -94,6 +96,11 @@ def run(task, servers, out, mode: str, monkeypatch) -> tuple[dict[str, torch.Ten
     from megatron_dapo.run_config import load_config
     from megatron_dapo.trainer import DapoTrainer
 
+    servers, key = servers
+    if key:  # the run's calls carry the servers' key (given servers take the key they were started with)
+        monkeypatch.setenv(SERVER_KEY_ENV, key)
+    else:
+        monkeypatch.delenv(SERVER_KEY_ENV, raising=False)
     for url in servers:
         assert post_json(f"{url}/update_weights_from_disk", {"model_path": str(task / "model"),
                                                              "weight_version": "0"}, 300)["success"]
@@ -111,7 +118,6 @@ def run(task, servers, out, mode: str, monkeypatch) -> tuple[dict[str, torch.Ten
         "eval": {"every": 0},
     }
     (out.parent / f"{out.name}.yaml").write_text(yaml.safe_dump(cfg))
-    monkeypatch.delenv(SERVER_KEY_ENV, raising=False)  # the run's own key leaves with it (keyless servers here)
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
     trainer = DapoTrainer(load_config(out.parent / f"{out.name}.yaml"))
