@@ -13,7 +13,6 @@ run does (rollout/logprob_check.py) as a tool, with a table and a threshold of t
 from __future__ import annotations
 
 import json
-import logging
 import math
 from dataclasses import dataclass
 
@@ -24,8 +23,6 @@ from megatron_dapo.config import ConfigError
 from megatron_dapo.ops.loss_settings import CORRECTION_PRESETS
 from megatron_dapo.rollout.logprob_check import DEFAULT_ATOL
 from megatron_dapo.run_config import DapoConfig
-
-log = logging.getLogger(__name__)
 
 # Response positions, the buckets' lower ends: mismatch grows along a response where kernels' errors accumulate.
 BUCKETS = (0, 16, 64, 256, 1024, 4096)
