@@ -12,6 +12,7 @@ run does (rollout/logprob_check.py) as a tool, with a table and a threshold of t
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from dataclasses import dataclass
@@ -79,13 +80,15 @@ def _prompts(cfg: DapoConfig, count: int) -> list[list[int]]:
     """The first `count` prompts of data.train_path that fit data.max_prompt_len, encoded as the run encodes them."""
     from transformers import AutoTokenizer
 
-    from megatron_dapo.data.prompt_encoding import encode_prompt
     from megatron_dapo.data.prompt_file import load_prompt_rows
+    from megatron_dapo.data.prompt_source import PromptSource
 
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     rows, _ = load_prompt_rows(cfg.data.train_path)
-    encoded = (encode_prompt(tokenizer, row.prompt, raw_prompt=not cfg.data.chat_template) for row in rows)
-    prompts = [ids for ids in encoded if len(ids) <= cfg.data.max_prompt_len][:count]
+    source = PromptSource(rows, None, AutoTokenizer.from_pretrained(cfg.model.path),
+                          max_prompt_len=cfg.data.max_prompt_len, chat_template=cfg.data.chat_template,
+                          name=cfg.data.train_path)
+    # the run's own encoding and length rule; only as many rows encoded as it takes
+    prompts = list(itertools.islice((ids for ids in map(source.encode, rows) if ids is not None), count))
     if not prompts:
         raise ConfigError(f"data.max_prompt_len: no prompt of {cfg.data.train_path} fits its "
                           f"{cfg.data.max_prompt_len} tokens; raise it")
