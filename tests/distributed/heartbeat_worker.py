@@ -5,7 +5,9 @@ finish: both end normally, rank 1 first (rank 0 outlives its last beat by three 
 fail R: rank R fails (an error, as in a trainer's setup) and stays alive afterwards, as a process whose exit hangs
         would; the other waits in the second barrier.
 fail_slowly R: rank R fails, takes 1.5 s to stop what it started (the other ranks told at once), then prints its
-        error with the time and exits 1; the other waits in the second barrier.
+        error with the time and stays alive, as a process whose exit takes a while (its exit would break the
+        other's barrier at once, so this is the only way to see the other end on its own); the other waits in
+        the second barrier.
 """
 
 import os
@@ -44,7 +46,7 @@ if scenario == "fail_slowly" and rank == int(sys.argv[2]):
     time.sleep(1.5)
     heartbeat.close(error)
     print(f"rank {rank}: its own error at {time.time()!r}", flush=True)
-    sys.exit(1)
+    time.sleep(600)
 if scenario == "stop" and rank == int(sys.argv[2]):
     time.sleep(1.0)  # beats that say what it does
     os.kill(os.getpid(), signal.SIGSTOP)
