@@ -13,7 +13,7 @@ PACKAGE = ROOT / "megatron_dapo"
 LAYERS = {
     1: ("config", "run_config", "config_reference", "errors", "user_files", "samples", "ops", "data",
         "observability", "_C"),
-    2: ("policy", "reward", "parallel"),
+    2: ("policy", "reward", "tool", "parallel"),
     3: ("checkpoint", "algorithm"),
     4: ("rollout", "weight_sync"),
     5: ("service",),
