@@ -191,6 +191,35 @@ def test_stop_tokens_eos_and_max_new_tokens(policy):
     assert all(len(s.output_ids) == 15 and s.finish_reason == "length" for g in fixed for s in g)
 
 
+def letters(ids: list[int]) -> str:
+    """A stand-in tokenizer's decode for the random-token model: token i is one letter, token 0 none."""
+    return "".join(chr(ord("a") + (i - 1) % 26) for i in ids if i)
+
+
+def test_a_stop_string_ends_a_response_with_the_token_that_completes_it(policy):
+    """As SGLang returns it: the response's tokens run to the one whose text completes the first stop string in
+    the response's text, that token included; the string is found across token boundaries, and ignore_eos does not
+    turn it off."""
+    engine = make_engine(policy, seed=1, eos=[], decode=letters)
+    for i, prompt in enumerate(prompts()):  # one row a call: a stopped row changes the draws of the others
+        free = engine.generate([prompt], 1, SamplingParams(max_new_tokens=24, seed=i))[0][0]
+        stop = ("qq", letters(free.output_ids)[5:8])  # three letters of its text (tokens 5 to 7), and a pair
+        after = engine.generate([prompt], 1, SamplingParams(max_new_tokens=24, seed=i, stop=stop,
+                                                            ignore_eos=True))[0][0]
+        cut = len(after.output_ids)
+        assert after.output_ids == free.output_ids[:cut] and after.logprobs == free.logprobs[:cut]  # same draws
+        assert after.finish_reason == "stop" and cut <= 8
+        assert any(x in letters(after.output_ids) for x in stop)
+        assert not any(x in letters(after.output_ids[:-1]) for x in stop)
+
+
+def test_stop_strings_need_the_tokenizer(policy):
+    with pytest.raises(ValueError, match="SamplingParams.stop: this LocalEngine was built without `decode`"):
+        make_engine(policy).generate(prompts(), 1, SamplingParams(stop=("ab",)))
+    with pytest.raises(ValueError, match="stop: must be non-empty strings"):
+        SamplingParams(stop=("",))
+
+
 def test_responses_end_at_the_models_max_positions(policy):
     max_pos = policy[1].max_position_embeddings
     ps = prompts(lengths=(max_pos - 3, 4))

@@ -168,6 +168,40 @@ def test_a_server_that_cannot_start_reports_its_log(tmp_path):
 # --- dynamic sampling against the real server: streaming and aborts keep the draw-order batch ---------------
 
 
+def test_a_stop_string_ends_a_response_with_the_tokens_that_complete_it(server, second_server):
+    """The response's ids run to the token whose text completes the stop string, that token included (its text is
+    what the engine's tokens decode to, the tag a multi-turn rollout stops on); the draws before it are those of the
+    same request without it (a deterministic server: samples depend only on the request and its seed)."""
+    _, tokenizer, _ = server
+    engine = SGLangEngine(second_server.url)
+    prompts = [tokenizer.encode(p) for p in PROMPTS]
+    try:
+        free = engine.generate(prompts, 1, SamplingParams(max_new_tokens=24, seed=5, ignore_eos=True))
+        picked = {}  # prompt -> (a stop string: the text of 3 of its response's tokens, the last one's position)
+        for i, [sample] in enumerate(free):
+            ids = sample.output_ids
+            for k in range(2, len(ids)):  # the random model's text has partial characters: 3 whole tokens
+                pieces = [tokenizer.decode([t]) for t in ids[k - 2:k + 1]]
+                if all(piece and "\ufffd" not in piece for piece in pieces):
+                    picked[i] = ("".join(pieces), k)
+                    break
+        assert len(picked) >= 2, picked
+        stops = tuple(stop for stop, _ in picked.values())  # the same call (a sample's seed follows its prompt's place), all the stops
+        cut = engine.generate(prompts, 1, SamplingParams(max_new_tokens=24, seed=5, ignore_eos=True, stop=stops))
+    finally:
+        engine.close()
+    for i, ([before], [after]) in enumerate(zip(free, cut)):
+        ids = after.output_ids
+        assert ids == before.output_ids[:len(ids)] and len(after.logprobs) == len(ids)
+        if after.finish_reason == "stop":
+            assert any(s in tokenizer.decode(ids) for s in stops)
+            assert not any(s in tokenizer.decode(ids[:-1]) for s in stops), (ids, stops)
+        else:
+            assert len(ids) == 24 and not any(s in tokenizer.decode(ids) for s in stops)
+        if i in picked:
+            assert after.finish_reason == "stop" and len(ids) <= picked[i][1] + 1, (picked[i], ids)
+
+
 def test_dynamic_sampling_keeps_the_first_mixed_groups_in_draw_order(server, second_server):
     _, tokenizer, _ = server
     srv = second_server  # deterministic; its log-probs (temperature-1) are not looked at

@@ -22,6 +22,10 @@ class SamplingParams:
     top_p: float = 1.0
     max_new_tokens: int = 1024
     stop_token_ids: list[int] = field(default_factory=list)
+    # Text that ends a response (a tool call's closing tag): the response ends with the token that completes the
+    # first one to appear in its decoded text, that token included (as SGLang returns it). Not counted as EOS:
+    # ignore_eos leaves it on.
+    stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     # Reproducible sampling: sample j of the i-th prompt of a call draws with sample_seed(seed, i, j), so
     # a retried or resumed request gets the same response. None: unseeded.
@@ -34,6 +38,8 @@ class SamplingParams:
             raise ValueError(f"rollout.top_p: must be in (0, 1], got {self.top_p}")
         if self.max_new_tokens < 1:
             raise ValueError(f"rollout.max_new_tokens: must be >= 1, got {self.max_new_tokens}")
+        if not all(isinstance(text, str) and text for text in self.stop):
+            raise ValueError(f"stop: must be non-empty strings, got {self.stop!r}")
 
 
 def sample_seed(seed: int, *path: int) -> int:

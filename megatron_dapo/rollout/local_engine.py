@@ -91,7 +91,8 @@ class LocalEngine:
 
     def __init__(self, model: torch.nn.Module, *, vocab_size: int, max_positions: int,
                  eos_token_ids: Sequence[int], device: torch.device, seed: int = 0, max_batch_tokens: int = 2**16,
-                 weight_version: str = "0", record_routes: bool = False):
+                 weight_version: str = "0", record_routes: bool = False,
+                 decode: Callable[[list[int]], str] | None = None):
         from megatron.core import parallel_state
 
         tp = parallel_state.get_tensor_model_parallel_world_size()
@@ -118,12 +119,16 @@ class LocalEngine:
             raise ConfigError("rollout.routing_replay: the policy has no router to record (a dense model); set "
                               "rollout.routing_replay to false")
         self.record_routes = record_routes
+        self.decode = decode  # token ids -> text (the tokenizer's), for SamplingParams.stop
 
     def healthy(self) -> bool:
         return True  # nothing out of process that could have died
 
     def stream(self, prompts: list[list[int]], n: int, params: SamplingParams) -> LocalGroupStream:
         self._check(prompts, n)
+        if params.stop and self.decode is None:
+            raise ValueError("SamplingParams.stop: this LocalEngine was built without `decode` (the tokenizer's), "
+                             "which stop strings are matched in")
         if params.seed is not None:  # the same call with the same seed draws the same samples
             self.generator.manual_seed(params.seed & (2**63 - 1))
         return LocalGroupStream(self, prompts, n, params, self.weight_version)
@@ -219,6 +224,9 @@ class _DecodeBatch:
         self.entropies = torch.zeros(self.tokens.shape, device=dev)  # of the distribution it was sampled from
         ends = [] if params.ignore_eos else sorted({*params.stop_token_ids, *engine.eos_token_ids})
         self.stop_ids = torch.tensor(ends, dtype=torch.long, device=dev)
+        # A stop string completed by the newest token lies within the text of the last tokens: every token decodes
+        # to a character or more, or to a partial one (a byte of a multi-byte character), hence 4 per character.
+        self.stop_window = 4 * max(map(len, params.stop), default=0) + 1
         self.last = torch.clamp(self.prompt_len + params.max_new_tokens, max=total) - 1  # last position per row
         self.context = StaticInferenceContext(len(self.tokens), total)
         self.active = torch.arange(len(self.tokens), device=dev)  # the rows in the KV cache, in its order
@@ -250,6 +258,17 @@ class _DecodeBatch:
         if not bool(self.live.any()):
             self.done = True
 
+    def _stop_texts(self, active: torch.Tensor, candidates: torch.Tensor, t: int) -> torch.Tensor:
+        """Which of the active rows' responses the token at `t` completes a stop string in (checked every token, so
+        a match in the last tokens' text is a new one)."""
+        hits = torch.zeros_like(candidates)
+        for i in candidates.nonzero().flatten().tolist():
+            r = int(active[i])
+            start = max(int(self.prompt_len[r]), t + 1 - self.stop_window)
+            text = self.engine.decode(self.tokens[r, start:t + 1].tolist())
+            hits[i] = any(stop in text for stop in self.params.stop)
+        return hits
+
     def advance(self, should_stop: Callable[[], bool]) -> list[FinishedRow]:
         """Decode positions until some rows finish, all are done, or should_stop() is true."""
         if self.logits is None:
@@ -268,6 +287,8 @@ class _DecodeBatch:
         self.logps[active, t] = logp
         self.entropies[active, t] = entropy
         stopped = sampled & torch.isin(token, self.stop_ids)
+        if self.params.stop:
+            stopped |= self._stop_texts(active, sampled & self.live & ~stopped, t)
         done = self.live & (stopped | (sampled & (t == self.last[active])))
         finished = []
         for i in done.nonzero().flatten().tolist():

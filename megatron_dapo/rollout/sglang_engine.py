@@ -321,6 +321,8 @@ class SGLangEngine:
                     "max_new_tokens": params.max_new_tokens, "ignore_eos": params.ignore_eos}
         if params.stop_token_ids:
             sampling["stop_token_ids"] = list(params.stop_token_ids)
+        if params.stop:  # the response's ids keep the tokens that complete the text (its text trims it)
+            sampling["stop"] = list(params.stop)
         if params.seed is not None:  # one seed per sample (a shared one would make the n samples identical)
             sampling = [dict(sampling, sampling_seed=sample_seed(params.seed, index, j)) for j in range(n)]
         payload = {"input_ids": [prompt] * n, "sampling_params": sampling, "rid": rid, "return_logprob": True}
