@@ -4,6 +4,7 @@ goes on answering. What this node enforces is said by PythonSandbox.isolation; e
 stops it here."""
 
 import asyncio
+import dataclasses
 import os
 import signal
 import socket
@@ -17,7 +18,9 @@ from megatron_dapo.config import ConfigError
 from megatron_dapo.tool.config import PythonToolConfig
 from megatron_dapo.tool.python_sandbox import SCRATCH_PREFIX, PythonSandbox
 
-CONFIG = PythonToolConfig(timeout_s=5.0, cpu_s=2, memory_mb=1024, max_processes=8, max_file_mb=16,
+# The wall-clock limit is a hang guard here, far past the CPU limit: on a loaded machine (the suite's other lane)
+# a spinning program gets its 2 CPU seconds only over several wall seconds.
+CONFIG = PythonToolConfig(timeout_s=60.0, cpu_s=2, memory_mb=1024, max_processes=8, max_file_mb=16,
                           max_output_chars=1000)
 
 
@@ -65,8 +68,9 @@ def test_a_program_gets_its_output_and_nothing_of_the_trainers_environment(sandb
 def test_an_infinite_loop_is_stopped_at_its_cpu_limit_and_a_sleeping_one_at_its_wall_clock_limit(sandbox):
     spin = call(sandbox, "while True:\n    pass\n")
     assert spin.error == "cpu_time" and "used its 2 s of CPU time" in spin.text, spin
-    sleep = call(sandbox, "import time\nwhile True:\n    time.sleep(1)\n")
-    assert sleep.error == "timeout" and "ran past its 5 s time limit" in sleep.text, sleep
+    short = PythonSandbox(dataclasses.replace(CONFIG, timeout_s=3.0))
+    sleep = call(short, "import time\nwhile True:\n    time.sleep(1)\n")
+    assert sleep.error == "timeout" and "ran past its 3 s time limit" in sleep.text, sleep
     assert not leftovers()
     still_answers(sandbox)
 
@@ -133,6 +137,8 @@ def test_no_socket_reaches_a_listener_on_this_machine(sandbox):
 
 
 def test_signals_to_its_parent_or_the_trainer_do_not_arrive(sandbox):
+    if "no signals out" not in sandbox.isolation and "PID namespaces" not in sandbox.isolation:
+        pytest.skip(f"no signal guard on this node: {sandbox.isolation}")
     caught = []
     previous = signal.signal(signal.SIGUSR1, lambda *_: caught.append(True))
     try:
