@@ -55,7 +55,7 @@ class LaunchEnv:
     world_size: int
     local_rank: int
     master_addr: str
-    master_port: int
+    master_port: int | None  # None: a world of one without a launcher, which needs no rendezvous
     node: str  # the node this process runs on: its SLURM node name, else its host name
 
 
@@ -70,9 +70,9 @@ def launch_env(environ=None) -> LaunchEnv:
         rank, world, local = 0, 1, 0
     if world > 1 and "MASTER_ADDR" not in env:
         raise ConfigError("MASTER_ADDR: not set; launch with torchrun, or export MASTER_ADDR/MASTER_PORT for srun")
-    # A world of one without a launcher rendezvouses with itself: on a free port, not torchrun's 29500, which
-    # another run on the machine (or a test lane) may hold.
-    port = int(env["MASTER_PORT"]) if "MASTER_PORT" in env else 29500 if world > 1 else free_port()
+    # A world of one without a launcher has no one to meet: no port (torchrun's 29500, or a free port found first,
+    # may be taken by another run on the machine before it binds it).
+    port = int(env["MASTER_PORT"]) if "MASTER_PORT" in env else 29500 if world > 1 else None
     return LaunchEnv(rank, world, local, env.get("MASTER_ADDR", "127.0.0.1"), port,
                      env.get("SLURMD_NODENAME") or socket.gethostname())
 
@@ -119,8 +119,11 @@ def init_runtime(parallel: ParallelConfig, environ=None) -> Runtime:
     from megatron.core import parallel_state, tensor_parallel
 
     if not dist.is_initialized():
-        dist.init_process_group(backend, init_method=f"tcp://{env.master_addr}:{env.master_port}", rank=env.rank,
-                                world_size=env.world_size, timeout=timedelta(minutes=timeout_minutes))
+        # a world of one keeps its store in-process (no port to bind); any other meets at MASTER_ADDR:MASTER_PORT
+        where = {"store": dist.HashStore()} if env.master_port is None else \
+            {"init_method": f"tcp://{env.master_addr}:{env.master_port}"}
+        dist.init_process_group(backend, **where, rank=env.rank, world_size=env.world_size,
+                                timeout=timedelta(minutes=timeout_minutes))
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=parallel.tensor_parallel,
         pipeline_model_parallel_size=parallel.pipeline_parallel,
